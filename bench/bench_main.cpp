@@ -1,0 +1,182 @@
+// tessera's benchmarks. One case per invocation, parameters as key=value; prints one JSON object
+// (the record's tessera side) on the last line. bench/run_bench.py feeds it the case files of
+// bench/cases and merges the peers' figures measured in the same run.
+//   tessera_bench ceiling
+//   tessera_bench append name=b8_a8192_nhd batch=8 append_len=8192 num_kv_heads=8 head_dim=128 page_size=16 layout=NHD
+//   tessera_bench merge name=... rows=16384 heads=32 head_dim=128 n=2 in_dtype=bf16 out_dtype=bf16
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ceilings.h"
+#include "tessera/tessera.h"
+#include "timing.h"
+
+using namespace tessera;
+using namespace tessera::bench;
+
+namespace {
+
+using Args = std::map<std::string, std::string>;
+
+std::string arg(const Args& a, const char* key, const char* fallback = nullptr) {
+  auto it = a.find(key);
+  if (it != a.end()) return it->second;
+  if (fallback) return fallback;
+  std::fprintf(stderr, "tessera_bench: missing parameter '%s'\n", key);
+  std::exit(2);
+}
+long arg_int(const Args& a, const char* key, const char* fallback = nullptr) {
+  return std::stol(arg(a, key, fallback));
+}
+DType parse_dtype(const std::string& s) {
+  if (s == "bf16") return DType::kBF16;
+  if (s == "fp16") return DType::kFP16;
+  if (s == "fp32") return DType::kFP32;
+  std::fprintf(stderr, "tessera_bench: unknown dtype '%s'\n", s.c_str());
+  std::exit(2);
+}
+
+void print_record(const char* suite, const std::string& name, double tbs, double us,
+                  const std::string& extra = "") {
+  std::printf("{\"suite\": \"%s\", \"case\": \"%s\", \"metric\": \"TB/s\", \"tessera\": %.4f, "
+              "\"time_us\": %.3f%s}\n", suite, name.c_str(), tbs, us, extra.c_str());
+}
+
+// append: each request appends append_len tokens after an existing history of the same length;
+// bytes = K and V rows read once and written once.
+int bench_append(const Args& a) {
+  const int batch = arg_int(a, "batch"), append_len = arg_int(a, "append_len");
+  const int H = arg_int(a, "num_kv_heads"), D = arg_int(a, "head_dim"), P = arg_int(a, "page_size");
+  const KVLayout layout = arg(a, "layout", "NHD") == "HND" ? KVLayout::kHND : KVLayout::kNHD;
+  const int history = arg_int(a, "history", "0");
+  const int kv_len = history + append_len;
+  const int pages_per_req = (kv_len + P - 1) / P;
+  const int nnz = batch * append_len;
+  const double bytes = 2.0 * 2.0 * double(nnz) * H * D * 2;  // (K, V) x (read, write)
+  const int rot = rotations_for(bytes);
+  const int pages_per_rot = batch * pages_per_req;
+  const int num_pages = rot * pages_per_rot;
+  const size_t row = size_t(H) * D * 2;
+  Buffer kp(size_t(num_pages) * P * row), vp(size_t(num_pages) * P * row);
+  std::vector<std::unique_ptr<Buffer>> kn, vn, idx;
+  std::vector<int32_t> indptr{0}, last, app{0};
+  for (int i = 0; i < batch; ++i) {
+    indptr.push_back(indptr.back() + pages_per_req);
+    last.push_back(kv_len - (pages_per_req - 1) * P);
+    app.push_back(app.back() + append_len);
+  }
+  Buffer d_indptr(indptr.size() * 4), d_last(last.size() * 4), d_app(app.size() * 4);
+  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+  cuda_ok(cudaMemcpy(d_last.get(), last.data(), last.size() * 4, cudaMemcpyHostToDevice), "upload");
+  cuda_ok(cudaMemcpy(d_app.get(), app.data(), app.size() * 4, cudaMemcpyHostToDevice), "upload");
+  for (int r = 0; r < rot; ++r) {
+    kn.push_back(std::make_unique<Buffer>(nnz * row));
+    vn.push_back(std::make_unique<Buffer>(nnz * row));
+    fill_random(kn.back()->get(), nnz * row, 2 * r + 1, false);
+    fill_random(vn.back()->get(), nnz * row, 2 * r + 2, false);
+    // Rotation r writes its own pages, interleaved with the other rotations' pages.
+    std::vector<int32_t> ids(pages_per_rot);
+    for (int p = 0; p < pages_per_rot; ++p) ids[p] = p * rot + r;
+    idx.push_back(std::make_unique<Buffer>(ids.size() * 4));
+    cuda_ok(cudaMemcpy(idx.back()->get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
+  }
+  PagedKVCache cache;
+  cache.layout = layout;
+  const int64_t d1 = layout == KVLayout::kNHD ? P : H, d2 = layout == KVLayout::kNHD ? H : P;
+  cache.k_pages = TensorView::contiguous(kp.get(), DType::kBF16, {num_pages, d1, d2, D});
+  cache.v_pages = TensorView::contiguous(vp.get(), DType::kBF16, {num_pages, d1, d2, D});
+  const TensorView append = TensorView::contiguous(d_app.get(), DType::kInt32, {batch + 1});
+  const double ms = median_ms([&](int i) {
+    const int r = i % rot;
+    PageTable t;
+    t.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
+    t.indices = TensorView::contiguous(idx[r]->get(), DType::kInt32, {pages_per_rot});
+    t.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
+    append_paged_kv(cache, t, append, TensorView::contiguous(kn[r]->get(), DType::kBF16, {nnz, H, D}),
+                    TensorView::contiguous(vn[r]->get(), DType::kBF16, {nnz, H, D}), nullptr);
+  });
+  print_record("append", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3,
+               ", \"rotations\": " + std::to_string(rot));
+  return 0;
+}
+
+// merge: n states [rows, heads, head_dim] (n = 2: merge_state on two tensors; n > 2:
+// merge_states on one stacked tensor); bytes = every o and LSE read + the output o and LSE written.
+int bench_merge(const Args& a) {
+  const int rows = arg_int(a, "rows"), H = arg_int(a, "heads"), D = arg_int(a, "head_dim"),
+            n = arg_int(a, "n");
+  const DType in = parse_dtype(arg(a, "in_dtype", "bf16")), out = parse_dtype(arg(a, "out_dtype", "bf16"));
+  const size_t o_elems = size_t(rows) * H * D, s_elems = size_t(rows) * H;
+  const double bytes = double(n) * (o_elems * dtype_size(in) + s_elems * 4) +
+                       o_elems * dtype_size(out) + s_elems * 4;
+  const int rot = rotations_for(bytes);
+  struct Set { std::unique_ptr<Buffer> o, s, o_out, s_out; };
+  std::vector<Set> sets;
+  for (int r = 0; r < rot; ++r) {
+    Set st{std::make_unique<Buffer>(n * o_elems * dtype_size(in)), std::make_unique<Buffer>(n * s_elems * 4),
+           std::make_unique<Buffer>(o_elems * dtype_size(out)), std::make_unique<Buffer>(s_elems * 4)};
+    fill_random(st.o->get(), st.o->bytes(), 10 * r + 1, in == DType::kFP32);
+    fill_random(st.s->get(), st.s->bytes(), 10 * r + 2, true);  // LSE in [-0.5, 0.5)
+    sets.push_back(std::move(st));
+  }
+  const double ms = median_ms([&](int i) {
+    Set& st = sets[i % rot];
+    const TensorView o_out = TensorView::contiguous(st.o_out->get(), out, {rows, H, D});
+    const TensorView s_out = TensorView::contiguous(st.s_out->get(), DType::kFP32, {rows, H});
+    if (n == 2) {
+      char* o = static_cast<char*>(st.o->get());
+      char* s = static_cast<char*>(st.s->get());
+      merge_state(TensorView::contiguous(o, in, {rows, H, D}),
+                  TensorView::contiguous(s, DType::kFP32, {rows, H}),
+                  TensorView::contiguous(o + o_elems * dtype_size(in), in, {rows, H, D}),
+                  TensorView::contiguous(s + s_elems * 4, DType::kFP32, {rows, H}), o_out, s_out,
+                  nullptr);
+    } else {
+      merge_states(TensorView::contiguous(st.o->get(), in, {rows, n, H, D}),
+                   TensorView::contiguous(st.s->get(), DType::kFP32, {rows, n, H}), o_out, s_out,
+                   nullptr);
+    }
+  });
+  print_record("merge", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3,
+               ", \"rotations\": " + std::to_string(rot));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: tessera_bench ceiling | append key=value... | merge key=value...\n");
+    return 2;
+  }
+  const DeviceInfo info = device_info();
+  if (!info.present) {
+    std::fprintf(stderr, "tessera_bench: no GPU (%s); benchmarks need one\n", info.reason.c_str());
+    return 3;
+  }
+  Args a;
+  for (int i = 2; i < argc; ++i) {
+    const char* eq = std::strchr(argv[i], '=');
+    if (!eq) { std::fprintf(stderr, "tessera_bench: expected key=value, got '%s'\n", argv[i]); return 2; }
+    a[std::string(argv[i], static_cast<size_t>(eq - argv[i]))] = eq + 1;
+  }
+  const std::string suite = argv[1];
+  try {
+    if (suite == "ceiling") {
+      const Ceilings c = measure_ceilings();
+      std::printf("{\"gpu\": \"%s\", \"copy\": %.4f, \"read\": %.4f}\n", info.name.c_str(), c.copy_tbs, c.read_tbs);
+      return 0;
+    }
+    if (suite == "append") return bench_append(a);
+    if (suite == "merge") return bench_merge(a);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "tessera_bench: %s\n", e.what());
+    return 1;
+  }
+  std::fprintf(stderr, "tessera_bench: suite '%s' has no tessera benchmark yet\n", suite.c_str());
+  return 4;
+}

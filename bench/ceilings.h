@@ -1,0 +1,18 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tessera::bench {
+
+struct Ceilings {
+  double copy_tbs = 0;  // device-to-device copy, read + write
+  double read_tbs = 0;  // read-only streaming
+};
+
+Ceilings measure_ceilings();
+
+// Fills a device buffer with finite values in [-1, 1): bf16 pairs, or fp32 when `fp32`.
+void fill_random(void* p, size_t bytes, uint32_t seed, bool fp32);
+
+}  // namespace tessera::bench

@@ -1,0 +1,751 @@
+#!/usr/bin/env python3
+"""Time PyTorch peers (cuDNN / FlashAttention-2 / FlexAttention SDPA, torch._grouped_mm, plain torch
+ops) and ceilings (copy, read, dense GEMM) on the cases in bench/cases/*.json, and write them in the
+results format shared with tessera's C++ benchmark (see bench/README or PERF.md):
+
+  {"commit", "gpu", "date", "records": [{"suite", "case", "metric", "tessera", "peers", "ceiling",
+                                         "params", "notes"}]}
+
+Usage:
+  python3 bench/peers.py --cases bench/cases --out RESULTS.json [--merge-into EXISTING.json]
+                         [--suites prefill,decode] [--commit SHA]
+  python3 bench/peers.py --cases bench/cases --dry-run      # CPU only, does not import torch
+
+Timing: CUDA events around every call, after warm-up; the median of at least 20 calls (more while
+they fit in --time-per-peer seconds). Inputs are random (never zeros) and, when one input set is
+smaller than ROTATE_BYTES, several sets are rotated so that the L2 (60 MB on H200) does not hold
+them. Every peer runs inside try/except: a peer that fails records null and an error string in
+notes["<peer>_error"], and the others still run.
+
+Units: ceilings "gemm*" are TFLOP/s, "copy*" and "read*" are TB/s (read + write both counted for
+copy). Peers use the metric of their suite.
+"""
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+torch = None  # imported in main(), so that --dry-run runs on machines without torch
+F = None
+
+L2_BYTES = 60e6
+ROTATE_BYTES = 128 * 2**20   # rotate input sets until the working set is at least this (> 2x L2)
+MAX_SETS = 256
+CEILING_BUFFER_BYTES = 4 * 2**30
+GEMM_CEILING_SIZE = 8192
+
+DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+# ----------------------------------------------------------------------------------------------
+# Case description: pure Python, shared by --dry-run and the real run.
+# ----------------------------------------------------------------------------------------------
+
+SUITES = {
+    # required params, peers, ceilings measured once per run and attached to every record
+    "prefill": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
+                    peers=["cudnn", "torch_flash", "flex"], ceilings=["gemm"]),
+    "prefill_portable": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
+                             peers=["cudnn", "torch_flash", "flex"], ceilings=["gemm"]),
+    "decode": dict(params=["batch", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
+                   peers=["cudnn", "torch_flash"], ceilings=["read", "copy"]),
+    # moe_gemm's "gemm" ceiling is per case: one dense torch.mm of the same FLOPs (M=tokens, K, N)
+    "moe_gemm": dict(params=["experts", "tokens", "K", "N"],
+                     peers=["torch_grouped_mm", "cublas_loop"], ceilings=["read"]),
+    "append": dict(params=["batch", "append_len", "num_kv_heads", "head_dim", "page_size", "layout"],
+                   peers=["torch_index"], ceilings=["copy"]),
+    "merge": dict(params=["rows", "heads", "head_dim", "n"],
+                  peers=["torch_ops"], ceilings=["copy", "read"]),
+}
+
+
+def merge_dtypes(p):
+    return p.get("in_dtype", p.get("dtype")), p.get("out_dtype", p.get("dtype"))
+
+
+def case_work(suite, p):
+    """FLOPs (TFLOP/s suites) or bytes (TB/s suites) that one call does."""
+    if suite in ("prefill", "prefill_portable"):
+        flops = 4 * p["batch"] * p["num_qo_heads"] * p["seq"] * p["seq"] * p["head_dim"]
+        return flops / 2 if p["causal"] else flops
+    if suite == "decode":
+        return p["batch"] * p["kv_len"] * p["num_kv_heads"] * p["head_dim"] * 2 * 2
+    if suite == "moe_gemm":
+        return 2 * p["tokens"] * p["K"] * p["N"]
+    if suite == "append":
+        tokens = p["batch"] * p["append_len"]
+        return 2 * 2 * tokens * p["num_kv_heads"] * p["head_dim"] * 2
+    if suite == "merge":
+        in_dt, out_dt = merge_dtypes(p)
+        rh = p["rows"] * p["heads"]
+        read = p["n"] * (rh * p["head_dim"] * DTYPE_SIZE[in_dt] + rh * 4)
+        write = rh * p["head_dim"] * DTYPE_SIZE[out_dt] + rh * 4
+        return read + write
+    raise ValueError("unknown suite " + suite)
+
+
+def set_bytes(suite, p):
+    """Device bytes of one input set (what one call touches), used to decide rotation."""
+    if suite in ("prefill", "prefill_portable"):
+        q = p["batch"] * p["num_qo_heads"] * p["seq"] * p["head_dim"] * 2
+        kv = p["batch"] * p["num_kv_heads"] * p["seq"] * p["head_dim"] * 2
+        return 2 * q + 2 * kv
+    if suite == "decode":
+        return case_work(suite, p) + 2 * p["batch"] * p["num_qo_heads"] * p["head_dim"] * 2
+    if suite == "moe_gemm":
+        return 2 * (p["tokens"] * p["K"] + p["experts"] * p["K"] * p["N"] + p["tokens"] * p["N"])
+    return case_work(suite, p)  # append, merge: everything read and written
+
+
+def num_sets(nbytes):
+    return int(min(MAX_SETS, max(1, math.ceil(ROTATE_BYTES / nbytes))))
+
+
+def load_cases(case_dir, only_suites):
+    """Returns [(suite, metric, [case dict, ...])] from case_dir/*.json, in file-name order."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(case_dir, "*.json"))):
+        with open(path) as f:
+            doc = json.load(f)
+        suite = doc["suite"]
+        if only_suites and suite not in only_suites:
+            continue
+        if suite not in SUITES:
+            print("warning: %s: unknown suite %r, skipped" % (path, suite), file=sys.stderr)
+            continue
+        for c in doc["cases"]:
+            missing = [k for k in ["name"] + SUITES[suite]["params"] if k not in c]
+            if suite == "merge":
+                in_dt, out_dt = merge_dtypes(c)
+                if in_dt not in DTYPE_SIZE or out_dt not in DTYPE_SIZE:
+                    missing.append("dtype or in_dtype/out_dtype (bf16|fp16|fp32)")
+            if missing:
+                raise ValueError("%s: case %r lacks %s" % (path, c.get("name"), ", ".join(missing)))
+        out.append((suite, doc["metric"], doc["cases"]))
+    if only_suites:
+        found = {s for s, _, _ in out}
+        for s in only_suites:
+            if s not in found:
+                print("warning: no case file for suite %r" % s, file=sys.stderr)
+    return out
+
+
+def params_of(case):
+    return {k: v for k, v in case.items() if k != "name"}
+
+
+def print_plan(suites):
+    for suite, metric, cases in suites:
+        spec = SUITES[suite]
+        unit = "TFLOP" if metric == "TFLOP/s" else "GB"
+        print("suite %s (%s): peers %s; ceilings %s" % (
+            suite, metric, ", ".join(spec["peers"]), ", ".join(
+                spec["ceilings"] + (["gemm (dense mm, same shape)"] if suite == "moe_gemm" else []))))
+        for c in cases:
+            p = params_of(c)
+            work = case_work(suite, p)
+            sb = set_bytes(suite, p)
+            print("  %-30s work %9.3f %-5s  set %8.1f MB x %3d sets  %s" % (
+                c["name"], work / 1e12 if unit == "TFLOP" else work / 1e9, unit, sb / 1e6, num_sets(sb),
+                json.dumps(p, sort_keys=True)))
+    print("ceilings once per run: copy (torch copy_ of %d GiB, read+write), read (torch.sum over %d GiB, "
+          "bf16 and fp32; torch's reduction), gemm (torch.mm bf16 %d^3)" % (
+              CEILING_BUFFER_BYTES >> 30, CEILING_BUFFER_BYTES >> 30, GEMM_CEILING_SIZE))
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helper
+# ----------------------------------------------------------------------------------------------
+
+def time_cuda(fn, sets, budget_s, min_reps=20, max_reps=1000, warmup_s=0.05):
+    """Median seconds of fn(sets[i % len(sets)]), timed per call with CUDA events, after at least
+    3 warm-up calls and warmup_s seconds of them (clocks up, plans and caches built)."""
+    n = len(sets)
+    warmup = 0
+    t0 = time.perf_counter()
+    while warmup < 3 or time.perf_counter() - t0 < warmup_s:
+        fn(sets[warmup % n])
+        torch.cuda.synchronize()
+        warmup += 1
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(3):
+        fn(sets[(warmup + i) % n])
+    end.record()
+    end.synchronize()
+    estimate_s = max(start.elapsed_time(end) / 3e3, 1e-6)
+    reps = int(min(max_reps, max(min_reps, budget_s / estimate_s)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(sets[(warmup + 3 + i) % n])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def error_text(e):
+    text = ("%s: %s" % (type(e).__name__, e)).strip().replace("\n", " | ")
+    return text[:400]
+
+
+def measure(name, fn, peers, notes):
+    """Run one peer; fn() returns (value, note or None). A failure records null and the error."""
+    try:
+        value, note = fn()
+        peers[name] = value
+        if note:
+            notes[name] = note
+    except Exception as e:  # one failing peer must not stop the others
+        peers[name] = None
+        notes[name + "_error"] = error_text(e)
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+
+
+def randn(*shape, dtype=None):
+    return torch.randn(*shape, device="cuda", dtype=dtype or torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill: [batch, heads, seq, dim] bf16
+# ----------------------------------------------------------------------------------------------
+
+FLEX = {"compiled": None, "compile_s": 0.0}
+
+
+def prefill_sets(p):
+    b, s, d = p["batch"], p["seq"], p["head_dim"]
+    n = num_sets(set_bytes("prefill", p))
+    return [(randn(b, p["num_qo_heads"], s, d), randn(b, p["num_kv_heads"], s, d),
+             randn(b, p["num_kv_heads"], s, d)) for _ in range(n)]
+
+
+def peer_sdpa_prefill(backend, sets, p, budget_s):
+    from torch.nn.attention import sdpa_kernel
+    gqa = p["num_kv_heads"] != p["num_qo_heads"]
+
+    def call(x):
+        return F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=p["causal"], enable_gqa=gqa)
+
+    with sdpa_kernel(backend):
+        t = time_cuda(call, sets, budget_s)
+    return case_work("prefill", p) / t / 1e12, None
+
+
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def peer_flex_prefill(sets, p, budget_s, compile_budget_s):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if FLEX["compile_s"] > compile_budget_s:
+        raise RuntimeError("skipped: flex compile budget of %.0f s already spent" % compile_budget_s)
+    if FLEX["compiled"] is None:
+        FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    s = p["seq"]
+    block_mask = None
+    t0 = time.perf_counter()
+    if p["causal"]:
+        block_mask = create_block_mask(causal_mask_mod, None, None, s, s, device="cuda")
+    gqa = p["num_kv_heads"] != p["num_qo_heads"]
+
+    def call(x):
+        return FLEX["compiled"](x[0], x[1], x[2], block_mask=block_mask, enable_gqa=gqa)
+
+    try:
+        call(sets[0])  # compiles for this shape (the block mask's build is counted too)
+        torch.cuda.synchronize()
+    finally:
+        compile_s = time.perf_counter() - t0
+        FLEX["compile_s"] += compile_s
+    t = time_cuda(call, sets, budget_s)
+    return case_work("prefill", p) / t / 1e12, "torch.compile(flex_attention); first call %.1f s" % compile_s
+
+
+PREFILL_CACHE = {}  # prefill and prefill_portable share cases: measure the peers once
+
+
+def run_prefill(p, args):
+    from torch.nn.attention import SDPBackend
+    key = json.dumps(p, sort_keys=True)
+    if key in PREFILL_CACHE:
+        peers, notes = PREFILL_CACHE[key]
+        return dict(peers), dict(notes, shared="peers measured once for prefill and prefill_portable"), {}
+    peers, notes = {}, {}
+    sets = prefill_sets(p)
+    measure("cudnn", lambda: peer_sdpa_prefill(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer),
+            peers, notes)
+    measure("torch_flash", lambda: peer_sdpa_prefill(SDPBackend.FLASH_ATTENTION, sets, p, args.time_per_peer),
+            peers, notes)
+    if args.no_flex:
+        peers["flex"] = None
+        notes["flex_error"] = "skipped: --no-flex"
+    else:
+        measure("flex", lambda: peer_flex_prefill(sets, p, args.time_per_peer, args.flex_budget), peers, notes)
+    PREFILL_CACHE[key] = (dict(peers), dict(notes))
+    return peers, notes, {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode: q [b, Hq, 1, d], contiguous K/V [b, Hkv, kv_len, d], bf16
+# ----------------------------------------------------------------------------------------------
+
+def peer_sdpa_decode(backend, sets, p, budget_s):
+    """SDPA with enable_gqa=True; if the backend refuses GQA, fold the query heads of one KV head
+    into the query-length dimension (q [b, Hkv, group, d]), which computes the same attention and
+    reads K/V once (expand() would read them group times or copy them)."""
+    from torch.nn.attention import sdpa_kernel
+    b, hq, hkv, d = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+
+    def call_gqa(x):
+        return F.scaled_dot_product_attention(x[0], x[1], x[2], enable_gqa=(hq != hkv))
+
+    def call_folded(x):
+        q = x[0].view(b, hkv, hq // hkv, d)
+        return F.scaled_dot_product_attention(q, x[1], x[2]).view(b, hq, 1, d)
+
+    with sdpa_kernel(backend):
+        try:
+            t = time_cuda(call_gqa, sets, budget_s)
+            note = "enable_gqa=True" if hq != hkv else None
+        except Exception as e:
+            torch.cuda.synchronize()
+            t = time_cuda(call_folded, sets, budget_s)
+            note = ("enable_gqa refused (%s); query heads folded into q_len: q [b, %d, %d, %d]"
+                    % (error_text(e)[:200], hkv, hq // hkv, d))
+    return case_work("decode", p) / t / 1e12, note
+
+
+def run_decode(p, args):
+    from torch.nn.attention import SDPBackend
+    b, kv, d = p["batch"], p["kv_len"], p["head_dim"]
+    n = num_sets(set_bytes("decode", p))
+    sets = [(randn(b, p["num_qo_heads"], 1, d), randn(b, p["num_kv_heads"], kv, d),
+             randn(b, p["num_kv_heads"], kv, d)) for _ in range(n)]
+    peers, notes = {}, {"kv": "peers read contiguous K/V (not paged)"}
+    measure("cudnn", lambda: peer_sdpa_decode(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer),
+            peers, notes)
+    measure("torch_flash", lambda: peer_sdpa_decode(SDPBackend.FLASH_ATTENTION, sets, p, args.time_per_peer),
+            peers, notes)
+    return peers, notes, {}
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE grouped GEMM: x [tokens, K] bf16, w [experts, K, N] bf16, tokens split evenly
+# ----------------------------------------------------------------------------------------------
+
+def peer_grouped_mm(x, w_kn, w_nk, offs, p, budget_s):
+    """torch._grouped_mm(x, w, offs=...) with w as [E, K, N] row-major and as [E, N, K] transposed
+    (column-major); reports the faster layout that runs."""
+    results, errors = {}, {}
+    for label, w in (("w[E,K,N]", w_kn), ("w[E,N,K].mT", w_nk.transpose(-2, -1))):
+        try:
+            t = time_cuda(lambda x_: torch._grouped_mm(x_, w, offs=offs), [x], budget_s)
+            results[label] = case_work("moe_gemm", p) / t / 1e12
+        except Exception as e:
+            errors[label] = error_text(e)[:200]
+            torch.cuda.synchronize()
+    if not results:
+        raise RuntimeError("; ".join("%s: %s" % kv for kv in errors.items()))
+    best = max(results, key=results.get)
+    note = "best layout %s; " % best + ", ".join("%s %.1f" % kv for kv in results.items())
+    if errors:
+        note += "; failed: " + "; ".join("%s: %s" % kv for kv in errors.items())
+    return results[best], note
+
+
+def peer_cublas_loop(x, w_kn, out, p, budget_s):
+    m = p["tokens"] // p["experts"]
+    parts = [(x[e * m:(e + 1) * m], w_kn[e], out[e * m:(e + 1) * m]) for e in range(p["experts"])]
+
+    def call(_):
+        for xe, we, oe in parts:
+            torch.mm(xe, we, out=oe)
+
+    t = time_cuda(call, [None], budget_s)
+    return case_work("moe_gemm", p) / t / 1e12, "python loop of torch.mm, timed as a whole"
+
+
+def dense_gemm_tflops(m, k, n, budget_s):
+    a, b = randn(m, k), randn(k, n)
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    t = time_cuda(lambda _: torch.mm(a, b, out=c), [None], budget_s)
+    return 2 * m * k * n / t / 1e12
+
+
+def run_moe_gemm(p, args):
+    e, tokens, k, n = p["experts"], p["tokens"], p["K"], p["N"]
+    if tokens % e:
+        raise ValueError("tokens %d not divisible by experts %d" % (tokens, e))
+    x = randn(tokens, k)
+    w_kn = randn(e, k, n)
+    out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (tokens // e)
+    peers, notes = {}, {}
+
+    def grouped():
+        w_nk = randn(e, n, k)
+        try:
+            return peer_grouped_mm(x, w_kn, w_nk, offs, p, args.time_per_peer)
+        finally:
+            del w_nk
+
+    measure("torch_grouped_mm", grouped, peers, notes)
+    measure("cublas_loop", lambda: peer_cublas_loop(x, w_kn, out, p, args.time_per_peer), peers, notes)
+    del x, w_kn, out
+    torch.cuda.empty_cache()
+    ceiling = {}
+    try:
+        ceiling["gemm"] = dense_gemm_tflops(tokens, k, n, args.time_per_peer)
+        notes["gemm"] = "dense torch.mm bf16 [%d,%d]x[%d,%d], same FLOPs" % (tokens, k, k, n)
+    except Exception as ex:
+        notes["gemm_error"] = error_text(ex)
+    return peers, notes, ceiling
+
+
+# ----------------------------------------------------------------------------------------------
+# Append: new K/V [tokens, Hkv, d] written into paged K/V (NHD or HND), page_size tokens a page
+# ----------------------------------------------------------------------------------------------
+
+def append_sets(p):
+    """Each request starts at a random offset in its first page; pages are a random permutation of
+    one pool, disjoint between requests and between rotated input sets."""
+    b, length, h, d, ps = p["batch"], p["append_len"], p["num_kv_heads"], p["head_dim"], p["page_size"]
+    n = num_sets(set_bytes("append", p))
+    pages_per_req = (ps - 1 + length + ps - 1) // ps
+    total_pages = n * b * pages_per_req
+    shape = (total_pages, ps, h, d) if p["layout"] == "NHD" else (total_pages, h, ps, d)
+    k_pages, v_pages = randn(*shape), randn(*shape)
+    perm = torch.randperm(total_pages, device="cuda").view(n, b, pages_per_req)
+    sets = []
+    for i in range(n):
+        pos = torch.randint(0, ps, (b, 1), device="cuda") + torch.arange(length, device="cuda")[None, :]
+        page = torch.gather(perm[i], 1, pos // ps).reshape(-1)
+        offset = (pos % ps).reshape(-1)
+        sets.append(dict(page=page, offset=offset, slot=page * ps + offset,
+                         k=randn(b * length, h, d), v=randn(b * length, h, d)))
+    return k_pages, v_pages, sets
+
+
+def peer_torch_index_append(k_pages, v_pages, sets, p, budget_s):
+    h, d = p["num_kv_heads"], p["head_dim"]
+    if p["layout"] == "NHD":
+        k_flat, v_flat = k_pages.view(-1, h, d), v_pages.view(-1, h, d)
+
+        def call(x):
+            k_flat[x["slot"]] = x["k"]
+            v_flat[x["slot"]] = x["v"]
+        note = "k_pages.view(-1, H, D)[slot] = k_new (and V)"
+    else:
+        def call(x):
+            k_pages[x["page"], :, x["offset"]] = x["k"]
+            v_pages[x["page"], :, x["offset"]] = x["v"]
+        note = "k_pages[page, :, offset] = k_new (and V)"
+    t = time_cuda(call, sets, budget_s)
+    return case_work("append", p) / t / 1e12, note
+
+
+def run_append(p, args):
+    if p["layout"] not in ("NHD", "HND"):
+        raise ValueError("layout must be NHD or HND")
+    k_pages, v_pages, sets = append_sets(p)
+    peers, notes = {}, {}
+    measure("torch_index", lambda: peer_torch_index_append(k_pages, v_pages, sets, p, args.time_per_peer),
+            peers, notes)
+    return peers, notes, {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Merge of n attention states: o [n, rows, heads, d] (in dtype), lse [n, rows, heads] fp32
+# ----------------------------------------------------------------------------------------------
+
+TORCH_DTYPE = {}
+
+
+def merge2(o_a, s_a, o_b, s_b, out_dtype):
+    s = torch.logaddexp(s_a, s_b)
+    o = (o_a.float() * torch.exp(s_a - s).unsqueeze(-1) + o_b.float() * torch.exp(s_b - s).unsqueeze(-1))
+    return o.to(out_dtype), s
+
+
+def merge_n(o, s, out_dtype):
+    s_all = torch.logsumexp(s, dim=0)
+    w = torch.exp(s - s_all.unsqueeze(0))
+    return (o.float() * w.unsqueeze(-1)).sum(dim=0).to(out_dtype), s_all
+
+
+def peer_torch_merge(sets, p, budget_s):
+    out_dtype = TORCH_DTYPE[merge_dtypes(p)[1]]
+    if p["n"] == 2:
+        def call(x):
+            return merge2(x[0][0], x[1][0], x[0][1], x[1][1], out_dtype)
+        note = "logaddexp + exp weights, fp32 math"
+    else:
+        def call(x):
+            return merge_n(x[0], x[1], out_dtype)
+        note = "logsumexp over n + exp weights, fp32 math"
+    t = time_cuda(call, sets, budget_s)
+    return case_work("merge", p) / t / 1e12, note
+
+
+def run_merge(p, args):
+    in_dtype = TORCH_DTYPE[merge_dtypes(p)[0]]
+    n, rows, heads, d = p["n"], p["rows"], p["heads"], p["head_dim"]
+    sets = [(randn(n, rows, heads, d, dtype=in_dtype), 4 * randn(n, rows, heads, dtype=torch.float32))
+            for _ in range(num_sets(set_bytes("merge", p)))]
+    peers, notes = {}, {}
+    measure("torch_ops", lambda: peer_torch_merge(sets, p, args.time_per_peer), peers, notes)
+    return peers, notes, {}
+
+
+RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "decode": run_decode,
+           "moe_gemm": run_moe_gemm, "append": run_append, "merge": run_merge}
+
+
+# ----------------------------------------------------------------------------------------------
+# Ceilings, measured once per run
+# ----------------------------------------------------------------------------------------------
+
+def measure_ceilings(names, budget_s):
+    """Returns ({name: value}, {name: note or error})."""
+    values, notes = {}, {}
+    if "copy" in names or "read" in names:
+        try:
+            src = torch.randn(CEILING_BUFFER_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+            if "copy" in names:
+                try:
+                    dst = torch.empty_like(src)
+                    t = time_cuda(lambda _: dst.copy_(src), [None], budget_s)
+                    values["copy"] = 2 * CEILING_BUFFER_BYTES / t / 1e12
+                    notes["copy"] = "torch copy_ of a %d GiB buffer, read + write counted" % (
+                        CEILING_BUFFER_BYTES >> 30)
+                    del dst
+                except Exception as e:
+                    notes["copy_error"] = error_text(e)
+            if "read" in names:
+                try:
+                    as_fp32 = src.view(torch.float32)  # random bf16 pairs are finite fp32 values
+                    t16 = time_cuda(lambda _: torch.sum(src), [None], budget_s)
+                    t32 = time_cuda(lambda _: torch.sum(as_fp32), [None], budget_s)
+                    r16, r32 = CEILING_BUFFER_BYTES / t16 / 1e12, CEILING_BUFFER_BYTES / t32 / 1e12
+                    values["read"] = max(r16, r32)
+                    notes["read"] = ("torch.sum (torch's reduction kernel, not a pure streaming read) over "
+                                     "%d GiB: bf16 %.2f, fp32 %.2f TB/s; the higher is used" % (
+                                         CEILING_BUFFER_BYTES >> 30, r16, r32))
+                except Exception as e:
+                    notes["read_error"] = error_text(e)
+            del src
+        except Exception as e:
+            for k in ("copy", "read"):
+                if k in names:
+                    notes[k + "_error"] = error_text(e)
+        torch.cuda.empty_cache()
+    if "gemm" in names:
+        try:
+            s = GEMM_CEILING_SIZE
+            values["gemm"] = dense_gemm_tflops(s, s, s, budget_s)
+            notes["gemm"] = "torch.mm bf16 %d^3 (cuBLAS)" % s
+        except Exception as e:
+            notes["gemm_error"] = error_text(e)
+        torch.cuda.empty_cache()
+    return values, notes
+
+
+def gpu_clocks():
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception as e:
+        return "nvidia-smi failed: " + error_text(e)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run, merge, report
+# ----------------------------------------------------------------------------------------------
+
+def git_commit():
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        r = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown"
+    except Exception:
+        return "unknown"
+
+
+def run_all(suites, args):
+    needed = sorted({c for suite, _, _ in suites for c in SUITES[suite]["ceilings"]})
+    t0 = time.perf_counter()
+    ceil_values, ceil_notes = measure_ceilings(needed, args.time_per_peer)
+    print("ceilings: %s (%.1f s)" % (", ".join("%s %.2f" % kv for kv in sorted(ceil_values.items())),
+                                     time.perf_counter() - t0), flush=True)
+    records = []
+    for suite, metric, cases in suites:
+        for case in cases:
+            p = params_of(case)
+            t_case = time.perf_counter()
+            try:
+                peers, notes, ceiling = RUNNERS[suite](p, args)
+            except Exception as e:  # the case's own setup failed (e.g. out of memory)
+                peers = {name: None for name in SUITES[suite]["peers"]}
+                notes, ceiling = {"setup_error": error_text(e)}, {}
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            for name in SUITES[suite]["ceilings"]:
+                if name in ceil_values:
+                    ceiling[name] = ceil_values[name]
+                for key in (name, name + "_error"):
+                    if key in ceil_notes:
+                        notes[key] = ceil_notes[key]
+            records.append({"suite": suite, "case": case["name"], "metric": metric, "tessera": None,
+                            "peers": peers, "ceiling": ceiling, "params": p, "notes": notes})
+            print("%-16s %-30s %s  (%.1f s)" % (suite, case["name"], ", ".join(
+                "%s %s" % (k, fmt(v)) for k, v in peers.items()), time.perf_counter() - t_case), flush=True)
+    return records
+
+
+def merge_into(existing, records):
+    """Fills peers/ceilings of the existing (tessera) records; adds records tessera did not write."""
+    index = {(r["suite"], r["case"]): r for r in existing.get("records", [])}
+    for rec in records:
+        old = index.get((rec["suite"], rec["case"]))
+        if old is None:
+            existing.setdefault("records", []).append(rec)
+            continue
+        old.setdefault("peers", {}).update(rec["peers"])
+        ceiling = old.setdefault("ceiling", {})
+        renamed = {}  # torch ceiling name -> name used in the record (tessera's own value keeps its key)
+        for k, v in rec["ceiling"].items():
+            renamed[k] = k + "_torch" if k in ceiling else k
+            ceiling[renamed[k]] = v
+        notes = old.setdefault("notes", {})
+        for k, v in rec["notes"].items():
+            base, suffix = (k[:-6], "_error") if k.endswith("_error") else (k, "")
+            key = renamed.get(base, base) + suffix
+            notes[key + "_torch" if key in notes else key] = v
+        for k, v in rec["params"].items():
+            old.setdefault("params", {}).setdefault(k, v)
+        old.setdefault("metric", rec["metric"])
+        old.setdefault("tessera", None)
+    return existing
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    return "%.1f" % v if abs(v) >= 10 else "%.2f" % v
+
+
+def print_table(doc):
+    by_suite = {}
+    for r in doc["records"]:
+        by_suite.setdefault(r["suite"], []).append(r)
+    for suite, recs in by_suite.items():
+        peer_names = []
+        for r in recs:
+            peer_names += [k for k in r.get("peers", {}) if k not in peer_names]
+        print("\n%s (%s)" % (suite, recs[0].get("metric", "")))
+        header = ["case", "tessera"] + peer_names + ["tessera/best"]
+        rows = []
+        for r in recs:
+            peers = r.get("peers", {})
+            vals = [v for v in peers.values() if v]
+            ratio = r.get("tessera") / max(vals) if r.get("tessera") and vals else None
+            rows.append([r["case"], fmt(r.get("tessera"))] + [fmt(peers.get(k)) for k in peer_names]
+                        + ["-" if ratio is None else "%.2f" % ratio])
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        for row in [header] + rows:
+            print("  " + "  ".join(str(x).rjust(w) if i else str(x).ljust(w)
+                                   for i, (x, w) in enumerate(zip(row, widths))))
+    errors = [(r["suite"], r["case"], k, v) for r in doc["records"]
+              for k, v in r.get("notes", {}).items() if k.endswith("_error")]
+    if errors:
+        print("\nerrors:")
+        for e in errors:
+            print("  %s %s %s: %s" % e)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases"))
+    ap.add_argument("--out", help="results JSON to write")
+    ap.add_argument("--merge-into", help="existing results JSON (from tessera's benchmark) to fill in")
+    ap.add_argument("--suites", help="comma-separated suites to run (default: every case file)")
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    ap.add_argument("--dry-run", action="store_true", help="parse the cases and print the plan; no torch")
+    ap.add_argument("--time-per-peer", type=float, default=0.25,
+                    help="seconds of timed calls per measurement beyond the minimum of 20 (default 0.25)")
+    ap.add_argument("--flex-budget", type=float, default=75.0,
+                    help="seconds of flex_attention compilation after which flex is skipped (default 75)")
+    ap.add_argument("--no-flex", action="store_true", help="skip the flex peer")
+    args = ap.parse_args(argv)
+    args.suites = [s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else None
+    if not args.dry_run and not args.out:
+        ap.error("--out is required (or --dry-run)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    suites = load_cases(args.cases, args.suites)
+    if args.dry_run:
+        print_plan(suites)
+        return 0
+
+    global torch, F
+    import torch as torch_module
+    import torch.nn.functional as functional
+    torch, F = torch_module, functional
+    if not torch.cuda.is_available():
+        print("error: no CUDA device", file=sys.stderr)
+        return 1
+    TORCH_DTYPE.update(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
+    # flex_attention compiles once per shape: keep dynamo from falling back to eager (which
+    # materialises the scores) when the number of shapes passes its recompile limit.
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 1024)
+    torch.manual_seed(0)
+
+    t0 = time.perf_counter()
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
+           "cudnn": str(torch.backends.cudnn.version()), "clocks_start": gpu_clocks()}
+    records = run_all(suites, args)
+    env["clocks_end"] = gpu_clocks()
+    env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    env["gpu"] = torch.cuda.get_device_name()
+    env["seconds"] = round(time.perf_counter() - t0, 1)
+    env["units"] = "peers in the record's metric; ceilings gemm* TFLOP/s, copy*/read* TB/s"
+
+    if args.merge_into:
+        with open(args.merge_into) as f:
+            doc = merge_into(json.load(f), records)
+    else:
+        doc = {"commit": args.commit or git_commit(), "gpu": env["gpu"], "date": env["date"], "records": records}
+    if args.merge_into:  # keep tessera's commit, gpu and date; fill them only when absent
+        doc.setdefault("commit", args.commit or git_commit())
+        doc.setdefault("gpu", env["gpu"])
+        doc.setdefault("date", env["date"])
+    doc["peers_env"] = env
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print_table(doc)
+    print("\nwrote %s (%.0f s)" % (args.out, env["seconds"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+// Benchmark timing: CUDA events around each launch after a warm-up, the median of many runs, and
+// enough rotating input sets that the working set is several times the L2, so no run is served
+// from a cache the previous run warmed.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+namespace tessera::bench {
+
+inline void cuda_ok(cudaError_t s, const char* what) {
+  if (s != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(s));
+    std::exit(1);
+  }
+}
+
+// How many copies of a working set of `bytes` make it at least 3x the L2 (at least 1, at most 64).
+inline int rotations_for(double bytes) {
+  int device = 0, l2 = 0;
+  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_ok(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "L2 size");
+  const double wanted = 3.0 * l2 / std::max(bytes, 1.0);
+  return std::clamp(static_cast<int>(wanted) + 1, 1, 64);
+}
+
+// Median milliseconds of run(i) for i = 0, 1, 2, ... (the caller rotates inputs by i).
+inline double median_ms(const std::function<void(int)>& run, int warmup = 5, int iters = 50) {
+  for (int i = 0; i < warmup; ++i) run(i);
+  cuda_ok(cudaDeviceSynchronize(), "warm-up");
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  // Back-to-back launches, one event between each: per-launch times without host gaps.
+  cuda_ok(cudaEventRecord(ev[0]), "record");
+  for (int i = 0; i < iters; ++i) {
+    run(warmup + i);
+    cuda_ok(cudaEventRecord(ev[i + 1]), "record");
+  }
+  cuda_ok(cudaEventSynchronize(ev[iters]), "sync");
+  cuda_ok(cudaGetLastError(), "launch");
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) cuda_ok(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "elapsed");
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
+  return ms[iters / 2];
+}
+
+// Owning device buffer filled with random bits of a bounded float range (never zeros).
+class Buffer {
+ public:
+  explicit Buffer(size_t bytes) : bytes_(bytes) { cuda_ok(cudaMalloc(&p_, bytes ? bytes : 16), "cudaMalloc"); }
+  ~Buffer() { cudaFree(p_); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  void* get() const { return p_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
+
+}  // namespace tessera::bench

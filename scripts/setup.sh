@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs what a fresh machine is missing to build tessera, and nothing it already has:
+#   - Debian packages: cmake, g++, make, GoogleTest/GoogleMock (libgtest-dev, libgmock-dev), python3-pip
+#   - the pinned nvidia-cutlass package (CUTLASS/CuTe headers) into .deps/python
+# The CUDA 13 toolkit (nvcc) must already be installed: it is not a Debian package at that version.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v g++ >/dev/null || need_apt+=(g++)
+command -v make >/dev/null || need_apt+=(make)
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+[ -f /usr/include/gmock/gmock.h ] || need_apt+=(libgmock-dev)
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+if ! command -v nvcc >/dev/null; then
+  for d in /usr/local/cuda/bin /usr/local/cuda-13/bin; do
+    [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
+  done
+fi
+command -v nvcc >/dev/null || { echo "setup: nvcc (CUDA toolkit 13) not found; install it first" >&2; exit 1; }
+
+if [ ! -f .deps/python/cutlass_library/source/include/cutlass/cutlass.h ]; then
+  echo "setup: installing $(grep -v '^#' scripts/requirements.txt | xargs) into .deps/python"
+  python3 -m pip install -q --no-deps --no-compile --disable-pip-version-check \
+    --target .deps/python -r scripts/requirements.txt
+fi
+echo "setup: ok (nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), cmake $(cmake --version | head -1 | awk '{print $3}'))"

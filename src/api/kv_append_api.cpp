@@ -1,0 +1,137 @@
+// tessera::append_paged_kv: validation, then one kernel launch.
+#include <string>
+
+#include "core/arg_check.h"
+#include "kernels/kv_append/append_paged_kv.h"
+#include "tessera/kv_cache.h"
+
+namespace tessera {
+
+const char* kv_layout_name(KVLayout layout) { return layout == KVLayout::kNHD ? "NHD" : "HND"; }
+
+namespace {
+
+void check_page_table_host(const detail::ArgCheck& check, const PageTable& table,
+                           const PagedKVCache& cache, const int32_t* host_append_indptr,
+                           int64_t nnz) {
+  const int64_t batch = table.batch_size();
+  if (table.host_indptr != nullptr) {
+    check.indptr_host(table.host_indptr, batch + 1, "kv_indptr", table.indices.size(0),
+                      /*exact_end=*/false);
+  }
+  if (table.host_indices != nullptr && table.host_indptr != nullptr) {
+    const int64_t used = table.host_indptr[batch];
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t page = table.host_indices[i];
+      check.require(page >= 0 && page < cache.num_pages(), "kv_indices",
+                    "page id " + std::to_string(page) + " at index " + std::to_string(i) +
+                        " is outside the cache's " + std::to_string(cache.num_pages()) +
+                        " pages");
+    }
+  }
+  if (table.host_last_page_len != nullptr) {
+    for (int64_t i = 0; i < batch; ++i) {
+      const int32_t len = table.host_last_page_len[i];
+      const bool has_pages =
+          table.host_indptr == nullptr || table.host_indptr[i + 1] > table.host_indptr[i];
+      check.require(!has_pages || (len >= 1 && len <= cache.page_size()), "kv_last_page_len",
+                    "value " + std::to_string(len) + " at index " + std::to_string(i) +
+                        " is outside 1.." + std::to_string(cache.page_size()));
+    }
+  }
+  if (host_append_indptr != nullptr) {
+    check.indptr_host(host_append_indptr, batch + 1, "append_indptr", nnz, /*exact_end=*/true);
+    if (table.host_indptr != nullptr && table.host_last_page_len != nullptr) {
+      for (int64_t i = 0; i < batch; ++i) {
+        const int64_t pages = table.host_indptr[i + 1] - table.host_indptr[i];
+        const int64_t kv_len =
+            pages == 0 ? 0 : (pages - 1) * cache.page_size() + table.host_last_page_len[i];
+        const int64_t n_new = host_append_indptr[i + 1] - host_append_indptr[i];
+        check.require(n_new <= kv_len, "append_indptr",
+                      "request " + std::to_string(i) + " appends " + std::to_string(n_new) +
+                          " rows but its pages hold only " + std::to_string(kv_len) +
+                          " tokens (the page table must already include the new rows)");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
+                     const TensorView& append_indptr, const TensorView& k_new,
+                     const TensorView& v_new, cudaStream_t stream,
+                     const int32_t* host_append_indptr) {
+  const detail::ArgCheck check("append_paged_kv");
+  check.tensor(cache.k_pages, "k_pages", 4);
+  check.tensor(cache.v_pages, "v_pages", 4);
+  check.dtype(cache.k_pages, "k_pages", {DType::kBF16, DType::kFP16});
+  check.dtype(cache.v_pages, "v_pages", {cache.k_pages.dtype});
+  check.same_shape(cache.k_pages, "k_pages", cache.v_pages, "v_pages");
+  check.vectorizable_rows(cache.k_pages, "k_pages");
+  check.vectorizable_rows(cache.v_pages, "v_pages");
+  check.require(cache.page_size() >= 1, "k_pages", "page_size must be at least 1");
+
+  check.tensor(k_new, "k_new", 3);
+  check.tensor(v_new, "v_new", 3);
+  check.dtype(k_new, "k_new", {cache.k_pages.dtype});
+  check.dtype(v_new, "v_new", {cache.k_pages.dtype});
+  check.dim(k_new, "k_new", 1, cache.num_kv_heads(), "num_kv_heads of the cache");
+  check.dim(k_new, "k_new", 2, cache.head_dim(), "head_dim of the cache");
+  check.same_shape(k_new, "k_new", v_new, "v_new");
+  check.vectorizable_rows(k_new, "k_new");
+  check.vectorizable_rows(v_new, "v_new");
+
+  check.tensor(table.indptr, "kv_indptr", 1);
+  check.tensor(table.indices, "kv_indices", 1);
+  check.tensor(table.last_page_len, "kv_last_page_len", 1);
+  check.tensor(append_indptr, "append_indptr", 1);
+  for (auto [t, name] : {std::pair{&table.indptr, "kv_indptr"}, {&table.indices, "kv_indices"},
+                         {&table.last_page_len, "kv_last_page_len"},
+                         {&append_indptr, "append_indptr"}}) {
+    check.dtype(*t, name, {DType::kInt32});
+    check.require(t->stride[0] == 1 || t->shape[0] <= 1, name, "must be contiguous");
+  }
+  check.require(table.indptr.size(0) >= 1, "kv_indptr", "must have batch_size + 1 >= 1 entries");
+  const int64_t batch = table.batch_size();
+  check.dim(table.last_page_len, "kv_last_page_len", 0, batch, "batch_size (kv_indptr size - 1)");
+  check.dim(append_indptr, "append_indptr", 0, batch + 1, "batch_size + 1");
+
+  const int64_t nnz = k_new.size(0);
+  const int64_t vectors = nnz * cache.num_kv_heads() * (cache.head_dim() / 8);
+  check.require(vectors < (int64_t(1) << 31), "k_new",
+                "too many rows for one call (" + std::to_string(nnz) + "); split the batch");
+  check.require(cache.num_pages() * cache.page_size() < (int64_t(1) << 31), "k_pages",
+                "the cache holds more than 2^31 token slots");
+  check_page_table_host(check, table, cache, host_append_indptr, nnz);
+  if (nnz == 0 || batch == 0) return;
+
+  const bool nhd = cache.layout == KVLayout::kNHD;
+  kernels::AppendPagedKVParams p;
+  p.k_new = k_new.data;
+  p.v_new = v_new.data;
+  p.k_new_stride_token = k_new.stride[0];
+  p.k_new_stride_head = k_new.stride[1];
+  p.v_new_stride_token = v_new.stride[0];
+  p.v_new_stride_head = v_new.stride[1];
+  p.k_pages = cache.k_pages.data;
+  p.v_pages = cache.v_pages.data;
+  p.k_stride_page = cache.k_pages.stride[0];
+  p.v_stride_page = cache.v_pages.stride[0];
+  p.k_stride_slot = cache.k_pages.stride[nhd ? 1 : 2];
+  p.k_stride_head = cache.k_pages.stride[nhd ? 2 : 1];
+  p.v_stride_slot = cache.v_pages.stride[nhd ? 1 : 2];
+  p.v_stride_head = cache.v_pages.stride[nhd ? 2 : 1];
+  p.page_size = static_cast<int>(cache.page_size());
+  p.num_kv_heads = static_cast<int>(cache.num_kv_heads());
+  p.head_dim = static_cast<int>(cache.head_dim());
+  p.append_indptr = static_cast<const int32_t*>(append_indptr.data);
+  p.kv_indptr = static_cast<const int32_t*>(table.indptr.data);
+  p.kv_indices = static_cast<const int32_t*>(table.indices.data);
+  p.kv_last_page_len = static_cast<const int32_t*>(table.last_page_len.data);
+  p.batch_size = static_cast<int>(batch);
+  p.nnz = nnz;
+  kernels::launch_append_paged_kv(cache.k_pages.dtype, p, stream);
+}
+
+}  // namespace tessera

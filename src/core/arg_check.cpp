@@ -1,0 +1,112 @@
+#include "core/arg_check.h"
+
+#include <sstream>
+
+namespace tessera::detail {
+
+std::string shape_string(const TensorView& t) {
+  std::ostringstream os;
+  os << "[";
+  for (int i = 0; i < t.rank; ++i) os << (i ? ", " : "") << t.shape[i];
+  os << "]";
+  return os.str();
+}
+
+void ArgCheck::fail(const char* arg, const std::string& rule) const {
+  throw Error(std::string("tessera::") + entry_ + ": argument '" + arg + "': " + rule);
+}
+
+void ArgCheck::tensor(const TensorView& t, const char* arg, int rank, Device device) const {
+  require(t.rank == rank, arg,
+          "must have rank " + std::to_string(rank) + ", got rank " + std::to_string(t.rank) +
+              " " + shape_string(t));
+  for (int i = 0; i < t.rank; ++i) {
+    require(t.shape[i] >= 0, arg, "has a negative size in dim " + std::to_string(i));
+  }
+  require(t.data != nullptr || t.numel() == 0, arg, "has a null data pointer");
+  require(t.device == device, arg,
+          std::string("must be in ") + (device == Device::kCUDA ? "device" : "host") +
+              " memory");
+}
+
+void ArgCheck::dtype(const TensorView& t, const char* arg,
+                     std::initializer_list<DType> allowed) const {
+  std::string names;
+  for (DType d : allowed) {
+    if (d == t.dtype) return;
+    names += (names.empty() ? "" : " or ") + std::string(dtype_name(d));
+  }
+  fail(arg, "dtype must be " + names + ", got " + dtype_name(t.dtype));
+}
+
+void ArgCheck::dim(const TensorView& t, const char* arg, int d, int64_t expected,
+                   const char* expected_name) const {
+  require(t.size(d) == expected, arg,
+          "dim " + std::to_string(d) + " must equal " + expected_name + " = " +
+              std::to_string(expected) + ", got " + std::to_string(t.size(d)) + " (shape " +
+              shape_string(t) + ")");
+}
+
+void ArgCheck::vectorizable_rows(const TensorView& t, const char* arg) const {
+  const int64_t elems_per_16b = 16 / static_cast<int64_t>(dtype_size(t.dtype));
+  require(t.stride_of(-1) == 1 || t.size(-1) == 1, arg,
+          "the last dim (head_dim) must be contiguous (stride 1), got stride " +
+              std::to_string(t.stride_of(-1)));
+  require(t.size(-1) % elems_per_16b == 0, arg,
+          "the last dim must be a multiple of " + std::to_string(elems_per_16b) +
+              " elements (16 bytes), got " + std::to_string(t.size(-1)));
+  require(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, arg,
+          "data pointer must be 16-byte aligned");
+  for (int i = 0; i + 1 < t.rank; ++i) {
+    require(t.stride[i] % elems_per_16b == 0 || t.shape[i] == 1, arg,
+            "stride of dim " + std::to_string(i) + " (" + std::to_string(t.stride[i]) +
+                ") must be a multiple of 16 bytes");
+  }
+}
+
+void ArgCheck::same_shape(const TensorView& a, const char* a_name, const TensorView& b,
+                          const char* b_name) const {
+  bool same = a.rank == b.rank;
+  for (int i = 0; same && i < a.rank; ++i) same = a.shape[i] == b.shape[i];
+  require(same, b_name,
+          "shape " + shape_string(b) + " must equal the shape of '" + a_name + "' " +
+              shape_string(a));
+}
+
+void ArgCheck::head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
+                           std::initializer_list<int> supported) const {
+  require(num_kv_heads >= 1, "num_kv_heads", "must be at least 1, got " + std::to_string(num_kv_heads));
+  require(num_qo_heads >= 1, "num_qo_heads", "must be at least 1, got " + std::to_string(num_qo_heads));
+  require(num_qo_heads % num_kv_heads == 0, "num_qo_heads",
+          "must be a multiple of num_kv_heads (GQA group), got " + std::to_string(num_qo_heads) +
+              " query heads for " + std::to_string(num_kv_heads) + " KV heads");
+  std::string list;
+  for (int d : supported) {
+    if (d == head_dim) return;
+    list += (list.empty() ? "" : ", ") + std::to_string(d);
+  }
+  fail("head_dim", "must be one of the compiled head dims {" + list + "}, got " +
+                       std::to_string(head_dim));
+}
+
+void ArgCheck::indptr_host(const int32_t* indptr, int64_t count, const char* arg,
+                           int64_t max_end, bool exact_end) const {
+  if (count <= 0) return;
+  require(indptr[0] == 0, arg, "must start at 0, got " + std::to_string(indptr[0]));
+  for (int64_t i = 1; i < count; ++i) {
+    require(indptr[i] >= indptr[i - 1], arg,
+            "must be non-decreasing, but entry " + std::to_string(i) + " (" +
+                std::to_string(indptr[i]) + ") < entry " + std::to_string(i - 1) + " (" +
+                std::to_string(indptr[i - 1]) + ")");
+  }
+  const int64_t end = indptr[count - 1];
+  if (exact_end) {
+    require(end == max_end, arg,
+            "last entry must equal " + std::to_string(max_end) + ", got " + std::to_string(end));
+  } else {
+    require(end <= max_end, arg,
+            "last entry " + std::to_string(end) + " exceeds " + std::to_string(max_end));
+  }
+}
+
+}  // namespace tessera::detail

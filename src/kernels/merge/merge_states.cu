@@ -1,0 +1,136 @@
+// Merges n partial attention states per (row, head): s = log(sum_i e^{s_i}), o = sum_i o_i e^{s_i-s}.
+// Memory-bound: one thread owns 8 consecutive elements of one (row, head); the n LSE values of its
+// row are re-read by every thread of the row from L1. All math in fp32.
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "core/cuda_check.h"
+#include "kernels/common/vec8.cuh"
+#include "kernels/merge/merge_states.h"
+
+namespace tessera::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kElemsPerVec = 8;
+
+template <bool kStacked>
+__device__ const float* lse_ptr(const MergeStatesParams& p, int i, int row, int head) {
+  if constexpr (kStacked) {
+    return p.s_base[0] + row * p.s_row[0] + i * p.s_part + head * p.s_head[0];
+  } else {
+    return p.s_base[i] + row * p.s_row[i] + head * p.s_head[i];
+  }
+}
+
+template <bool kStacked, typename TIn>
+__device__ const TIn* o_ptr(const MergeStatesParams& p, int i, int row, int head, int col) {
+  if constexpr (kStacked) {
+    return static_cast<const TIn*>(p.o_base[0]) + row * p.o_row[0] + i * p.o_part +
+           head * p.o_head[0] + col;
+  } else {
+    return static_cast<const TIn*>(p.o_base[i]) + row * p.o_row[i] + head * p.o_head[i] + col;
+  }
+}
+
+template <bool kStacked, typename TIn, typename TOut>
+__global__ void __launch_bounds__(kThreads) merge_states_kernel(MergeStatesParams p) {
+  const int vecs_per_row = p.head_dim / kElemsPerVec;
+  const int vecs_per_token = p.heads * vecs_per_row;
+  const int total = p.rows * vecs_per_token;  // < 2^31, checked on the host
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  // Warp-uniform loop: every lane runs every iteration, so __syncwarp below is legal. The host
+  // requires head_dim / 8 to divide 32, so the threads of one (row, head) share a warp.
+  const int lane = threadIdx.x % 32;
+  for (int warp_base = blockIdx.x * kThreads + threadIdx.x - lane; warp_base < total;
+       warp_base += gridDim.x * kThreads) {
+    const int idx = warp_base + lane;
+    const bool active = idx < total;
+    const int row = (active ? idx : 0) / vecs_per_token;
+    const int within = (active ? idx : 0) - row * vecs_per_token;
+    const int head = within / vecs_per_row;
+    const int col = (within - head * vecs_per_row) * kElemsPerVec;
+
+    // Pass 1: the largest LSE (NaN poisons the row, as the convention asks).
+    float max_s = -INFINITY;
+    bool any_nan = false;
+    for (int i = 0; i < p.num_states; ++i) {
+      const float s = __ldg(lse_ptr<kStacked>(p, i, row, head));
+      any_nan |= isnan(s);
+      max_s = fmaxf(max_s, s);
+    }
+
+    float acc[kElemsPerVec] = {};
+    float sum = 0.f;
+    if (max_s != -INFINITY) {
+      // Pass 2: weighted sum; states at -inf contribute nothing (their o is not even read).
+      for (int i = 0; i < p.num_states; ++i) {
+        const float s = __ldg(lse_ptr<kStacked>(p, i, row, head));
+        if (s == -INFINITY) continue;
+        const float w = exp2f((s - max_s) * kLog2e);
+        float o[kElemsPerVec];
+        Vec8<TIn>::load_stream(o_ptr<kStacked, TIn>(p, i, row, head, col)).to_float(o);
+        sum += w;
+#pragma unroll
+        for (int e = 0; e < kElemsPerVec; ++e) acc[e] = fmaf(w, o[e], acc[e]);
+      }
+      const float inv = 1.f / sum;
+#pragma unroll
+      for (int e = 0; e < kElemsPerVec; ++e) acc[e] *= inv;
+    }
+    float s_out = max_s == -INFINITY ? -INFINITY : max_s + log2f(sum) * kLn2;
+    if (any_nan) {
+      s_out = NAN;
+#pragma unroll
+      for (int e = 0; e < kElemsPerVec; ++e) acc[e] = NAN;
+    }
+    if (active) {
+      Vec8<TOut>::from_float(acc).store(static_cast<TOut*>(p.o_out) + row * p.o_out_row +
+                                        head * p.o_out_head + col);
+    }
+    // In place, s_out is one of the inputs: every lane of this (row, head) has read it by now.
+    __syncwarp();
+    if (active && p.s_out != nullptr && col == 0) {
+      p.s_out[row * p.s_out_row + head * p.s_out_head] = s_out;
+    }
+  }
+}
+
+template <typename TIn, typename TOut>
+void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
+  const int64_t total = int64_t(p.rows) * p.heads * (p.head_dim / kElemsPerVec);
+  if (total == 0) return;
+  int device = 0, sms = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t wanted = (total + kThreads - 1) / kThreads;
+  const int blocks = static_cast<int>(wanted < int64_t(sms) * 8 ? wanted : int64_t(sms) * 8);
+  if (p.stacked) {
+    merge_states_kernel<true, TIn, TOut><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    merge_states_kernel<false, TIn, TOut><<<blocks, kThreads, 0, stream>>>(p);
+  }
+  TESSERA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void launch_merge_states(DType in_dtype, DType out_dtype, const MergeStatesParams& params,
+                         cudaStream_t stream) {
+  if (in_dtype == DType::kBF16) {
+    launch_typed<__nv_bfloat16, __nv_bfloat16>(params, stream);
+  } else if (in_dtype == DType::kFP16) {
+    launch_typed<__half, __half>(params, stream);
+  } else if (out_dtype == DType::kBF16) {
+    launch_typed<float, __nv_bfloat16>(params, stream);
+  } else if (out_dtype == DType::kFP16) {
+    launch_typed<float, __half>(params, stream);
+  } else {
+    launch_typed<float, float>(params, stream);
+  }
+}
+
+}  // namespace tessera::kernels

@@ -1,0 +1,259 @@
+// Every public entry point rejects bad arguments on the host, before touching the GPU, with an
+// error that names the argument. These run without a GPU: validation never dereferences device
+// pointers, so aligned dummy addresses stand in for device buffers.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/arg_check.h"
+#include "tessera/tessera.h"
+
+namespace tessera {
+namespace {
+
+using ::testing::HasSubstr;
+
+void* fake(uintptr_t offset = 0) { return reinterpret_cast<void*>(0x100000 + offset); }
+
+// Runs `call`, expects a tessera::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& call, std::vector<std::string> fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected tessera::Error containing '" << fragments[0] << "'";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_THAT(e.what(), HasSubstr(f));
+  }
+}
+
+// A valid append problem (2 requests, page_size 16, 4 KV heads, hd 128) that each test breaks
+// in one way. Host mirrors are set so index contents are checked.
+struct AppendProblem {
+  std::vector<int32_t> indptr{0, 2, 3};
+  std::vector<int32_t> indices{4, 0, 2};
+  std::vector<int32_t> last{16, 5};
+  std::vector<int32_t> append{0, 3, 4};
+  PagedKVCache cache;
+  PageTable table;
+  TensorView append_indptr, k_new, v_new;
+
+  AppendProblem() {
+    cache.layout = KVLayout::kNHD;
+    cache.k_pages = TensorView::contiguous(fake(), DType::kBF16, {8, 16, 4, 128});
+    cache.v_pages = TensorView::contiguous(fake(1 << 20), DType::kBF16, {8, 16, 4, 128});
+    table.indptr = TensorView::contiguous(fake(2 << 20), DType::kInt32, {3});
+    table.indices = TensorView::contiguous(fake(3 << 20), DType::kInt32, {3});
+    table.last_page_len = TensorView::contiguous(fake(4 << 20), DType::kInt32, {2});
+    append_indptr = TensorView::contiguous(fake(5 << 20), DType::kInt32, {3});
+    k_new = TensorView::contiguous(fake(6 << 20), DType::kBF16, {4, 4, 128});
+    v_new = TensorView::contiguous(fake(7 << 20), DType::kBF16, {4, 4, 128});
+  }
+  void run() {
+    table.host_indptr = indptr.data();
+    table.host_indices = indices.data();
+    table.host_last_page_len = last.data();
+    append_paged_kv(cache, table, append_indptr, k_new, v_new, nullptr, append.data());
+  }
+};
+
+TEST(BadInputAppend, WrongDtypes) {
+  AppendProblem p;
+  p.cache.k_pages.dtype = DType::kFP32;
+  expect_error([&] { p.run(); }, {"append_paged_kv", "'k_pages'", "dtype must be bf16 or fp16"});
+  AppendProblem q;
+  q.cache.v_pages.dtype = DType::kFP16;
+  expect_error([&] { q.run(); }, {"'v_pages'", "dtype must be bf16"});
+  AppendProblem r;
+  r.k_new.dtype = DType::kFP16;
+  expect_error([&] { r.run(); }, {"'k_new'", "dtype"});
+  AppendProblem s;
+  s.table.indptr.dtype = DType::kFP32;
+  expect_error([&] { s.run(); }, {"'kv_indptr'", "dtype must be int32"});
+}
+
+TEST(BadInputAppend, MismatchedShapesAndHeadCounts) {
+  AppendProblem p;
+  p.k_new = TensorView::contiguous(fake(6 << 20), DType::kBF16, {4, 2, 128});
+  expect_error([&] { p.run(); }, {"'k_new'", "num_kv_heads of the cache = 4"});
+  AppendProblem q;
+  q.v_new = TensorView::contiguous(fake(7 << 20), DType::kBF16, {3, 4, 128});
+  expect_error([&] { q.run(); }, {"'v_new'", "must equal the shape of 'k_new'"});
+  AppendProblem r;
+  r.k_new = TensorView::contiguous(fake(6 << 20), DType::kBF16, {4, 4, 64});
+  expect_error([&] { r.run(); }, {"'k_new'", "head_dim of the cache = 128"});
+  AppendProblem s;
+  s.cache.k_pages = TensorView::contiguous(fake(), DType::kBF16, {8, 16, 4});
+  expect_error([&] { s.run(); }, {"'k_pages'", "must have rank 4"});
+  AppendProblem t;
+  t.table.last_page_len = TensorView::contiguous(fake(4 << 20), DType::kInt32, {3});
+  expect_error([&] { t.run(); }, {"'kv_last_page_len'", "batch_size"});
+  AppendProblem u;
+  u.k_new.device = Device::kCPU;
+  expect_error([&] { u.run(); }, {"'k_new'", "must be in device memory"});
+}
+
+TEST(BadInputAppend, UnsupportedHeadDimAndMisalignment) {
+  AppendProblem p;
+  p.cache.k_pages = TensorView::contiguous(fake(), DType::kBF16, {8, 16, 4, 12});
+  p.cache.v_pages = TensorView::contiguous(fake(1 << 20), DType::kBF16, {8, 16, 4, 12});
+  expect_error([&] { p.run(); }, {"'k_pages'", "multiple of 8 elements"});
+  AppendProblem q;
+  q.k_new.data = fake((6 << 20) + 2);
+  expect_error([&] { q.run(); }, {"'k_new'", "16-byte aligned"});
+  AppendProblem r;
+  r.cache.k_pages = TensorView::strided(fake(), DType::kBF16, {8, 16, 4, 128},
+                                        {16 * 4 * 256, 4 * 256, 256, 2});
+  expect_error([&] { r.run(); }, {"'k_pages'", "must be contiguous (stride 1)"});
+  AppendProblem s;
+  s.k_new = TensorView::strided(fake(6 << 20), DType::kBF16, {4, 4, 128}, {516, 129, 1});
+  expect_error([&] { s.run(); }, {"'k_new'", "multiple of 16 bytes"});
+}
+
+TEST(BadInputAppend, BadIndptr) {
+  AppendProblem p;
+  p.indptr = {1, 2, 3};
+  expect_error([&] { p.run(); }, {"'kv_indptr'", "must start at 0"});
+  AppendProblem q;
+  q.indptr = {0, 2, 1};
+  expect_error([&] { q.run(); }, {"'kv_indptr'", "non-decreasing"});
+  AppendProblem r;
+  r.append = {0, 3, 3};
+  expect_error([&] { r.run(); }, {"'append_indptr'", "must equal 4"});
+  AppendProblem s;
+  s.append = {0, 4, 3};
+  expect_error([&] { s.run(); }, {"'append_indptr'", "non-decreasing"});
+}
+
+TEST(BadInputAppend, LastPageLenOutsideRange) {
+  AppendProblem p;
+  p.last = {17, 5};
+  expect_error([&] { p.run(); }, {"'kv_last_page_len'", "value 17 at index 0", "1..16"});
+  AppendProblem q;
+  q.last = {16, 0};
+  expect_error([&] { q.run(); }, {"'kv_last_page_len'", "value 0 at index 1"});
+}
+
+TEST(BadInputAppend, PageIdsOutsideCache) {
+  AppendProblem p;
+  p.indices = {4, 8, 2};
+  expect_error([&] { p.run(); }, {"'kv_indices'", "page id 8", "outside the cache's 8 pages"});
+  AppendProblem q;
+  q.indices = {-1, 0, 2};
+  expect_error([&] { q.run(); }, {"'kv_indices'", "page id -1"});
+}
+
+TEST(BadInputAppend, AppendLongerThanCachedLength) {
+  AppendProblem p;
+  p.append = {0, 3, 4};
+  p.last = {16, 5};
+  p.indptr = {0, 2, 2};  // request 1 has no pages but appends one row
+  expect_error([&] { p.run(); }, {"'append_indptr'", "request 1 appends 1 rows", "hold only 0"});
+}
+
+TEST(BadInputAppend, ValidProblemPassesValidation) {
+  // The same problem without any defect gets past validation; with a null stream and fake
+  // pointers it would then launch, so stop it at the one remaining check: zero rows to append.
+  AppendProblem p;
+  p.append = {0, 0, 0};
+  p.k_new = TensorView::contiguous(fake(6 << 20), DType::kBF16, {0, 4, 128});
+  p.v_new = TensorView::contiguous(fake(7 << 20), DType::kBF16, {0, 4, 128});
+  EXPECT_NO_THROW(p.run());
+}
+
+struct MergeProblem {
+  TensorView o_a = TensorView::contiguous(fake(), DType::kBF16, {16, 4, 128});
+  TensorView s_a = TensorView::contiguous(fake(1 << 20), DType::kFP32, {16, 4});
+  TensorView o_b = TensorView::contiguous(fake(2 << 20), DType::kBF16, {16, 4, 128});
+  TensorView s_b = TensorView::contiguous(fake(3 << 20), DType::kFP32, {16, 4});
+  TensorView o_out = TensorView::contiguous(fake(4 << 20), DType::kBF16, {16, 4, 128});
+  TensorView s_out = TensorView::contiguous(fake(5 << 20), DType::kFP32, {16, 4});
+  void run() { merge_state(o_a, s_a, o_b, s_b, o_out, s_out, nullptr); }
+};
+
+TEST(BadInputMerge, WrongDtypes) {
+  MergeProblem p;
+  p.s_a.dtype = DType::kBF16;
+  expect_error([&] { p.run(); }, {"merge_state", "'s_a'", "dtype must be fp32"});
+  MergeProblem q;
+  q.o_b.dtype = DType::kFP16;
+  expect_error([&] { q.run(); }, {"'o_b'", "dtype must be bf16"});
+  MergeProblem r;
+  r.o_out.dtype = DType::kFP16;
+  expect_error([&] { r.run(); }, {"'o_out'", "dtype must be bf16, got fp16"});
+  MergeProblem s;
+  s.o_a.dtype = DType::kInt32;
+  expect_error([&] { s.run(); }, {"'o_a'", "dtype"});
+}
+
+TEST(BadInputMerge, MismatchedShapes) {
+  MergeProblem p;
+  p.o_b = TensorView::contiguous(fake(2 << 20), DType::kBF16, {16, 8, 128});
+  expect_error([&] { p.run(); }, {"'s_b'", "leading dims"});
+  MergeProblem q;
+  q.s_out = TensorView::contiguous(fake(5 << 20), DType::kFP32, {15, 4});
+  expect_error([&] { q.run(); }, {"'s_out'", "must equal the shape of 's_a'"});
+  MergeProblem r;
+  r.o_out = TensorView::contiguous(fake(4 << 20), DType::kBF16, {16, 4, 64});
+  expect_error([&] { r.run(); }, {"'o_out'", "must equal the shape of 'o_a'"});
+  expect_error(
+      [&] {
+        merge_states(TensorView::contiguous(fake(), DType::kFP32, {16, 3, 4, 128}),
+                     TensorView::contiguous(fake(1 << 20), DType::kFP32, {16, 2, 4}),
+                     TensorView::contiguous(fake(2 << 20), DType::kBF16, {16, 4, 128}),
+                     TensorView(), nullptr);
+      },
+      {"merge_states", "'s_parts'", "leading dims"});
+}
+
+TEST(BadInputMerge, UnsupportedHeadDimAndMisalignment) {
+  for (int64_t hd : {24, 512}) {
+    MergeProblem p;
+    p.o_a = TensorView::contiguous(fake(), DType::kBF16, {16, 4, hd});
+    p.o_b = TensorView::contiguous(fake(2 << 20), DType::kBF16, {16, 4, hd});
+    p.o_out = TensorView::contiguous(fake(4 << 20), DType::kBF16, {16, 4, hd});
+    expect_error([&] { p.run(); }, {"'o_a'", "head_dim must be one of"});
+  }
+  MergeProblem q;
+  q.o_a.data = fake(8);
+  expect_error([&] { q.run(); }, {"'o_a'", "16-byte aligned"});
+}
+
+TEST(BadInputHeads, GqaGroupsAndHeadDims) {
+  const detail::ArgCheck check("batch_prefill");
+  expect_error([&] { check.head_config(32, 6, 128, {64, 128, 256}); },
+               {"batch_prefill", "'num_qo_heads'", "multiple of num_kv_heads"});
+  expect_error([&] { check.head_config(32, 0, 128, {64, 128, 256}); }, {"'num_kv_heads'"});
+  expect_error([&] { check.head_config(32, 8, 96, {64, 128, 256}); },
+               {"'head_dim'", "{64, 128, 256}", "got 96"});
+  EXPECT_NO_THROW(check.head_config(32, 8, 128, {64, 128, 256}));
+  EXPECT_NO_THROW(check.head_config(16, 1, 64, {64}));
+}
+
+TEST(TensorViewBasics, ContiguousStridesAndDescribe) {
+  const TensorView t = TensorView::contiguous(fake(), DType::kBF16, {2, 3, 4});
+  EXPECT_EQ(t.stride[0], 12);
+  EXPECT_EQ(t.stride[2], 1);
+  EXPECT_EQ(t.numel(), 24);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.size(-1), 4);
+  const TensorView s = TensorView::strided(fake(), DType::kFP32, {2, 3}, {8, 1});
+  EXPECT_FALSE(s.is_contiguous());
+  EXPECT_THAT(s.describe(), HasSubstr("[2, 3] fp32 strides [8, 1]"));
+  EXPECT_THROW(TensorView::strided(fake(), DType::kFP32, {2, 3}, {1}), Error);
+}
+
+TEST(DeviceInfoPaths, PathByComputeCapability) {
+  EXPECT_EQ(kernel_path_for(9, 0), KernelPath::kHopperSm90a);
+  EXPECT_EQ(kernel_path_for(8, 0), KernelPath::kPortableSm80);
+  EXPECT_EQ(kernel_path_for(8, 9), KernelPath::kPortableSm80);
+  EXPECT_EQ(kernel_path_for(10, 0), KernelPath::kPortableSm80);
+  EXPECT_EQ(kernel_path_for(7, 5), KernelPath::kNone);
+  // Without a GPU, device_info says so instead of throwing.
+  const DeviceInfo info = device_info();
+  if (!info.present) EXPECT_FALSE(info.reason.empty());
+}
+
+}  // namespace
+}  // namespace tessera
