@@ -109,7 +109,10 @@ int bench_append(const Args& a) {
 int bench_merge(const Args& a) {
   const int rows = arg_int(a, "rows"), H = arg_int(a, "heads"), D = arg_int(a, "head_dim"),
             n = arg_int(a, "n");
-  const DType in = parse_dtype(arg(a, "in_dtype", "bf16")), out = parse_dtype(arg(a, "out_dtype", "bf16"));
+    // "dtype" sets both sides; "in_dtype" / "out_dtype" set one each.
+  const std::string both = arg(a, "dtype", "bf16");
+  const DType in = parse_dtype(arg(a, "in_dtype", both.c_str()));
+  const DType out = parse_dtype(arg(a, "out_dtype", both.c_str()));
   const size_t o_elems = size_t(rows) * H * D, s_elems = size_t(rows) * H;
   const double bytes = double(n) * (o_elems * dtype_size(in) + s_elems * 4) +
                        o_elems * dtype_size(out) + s_elems * 4;

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On a machine with a GPU: every GPU test, the benchmarks and the peers in one go.
+#   scripts/run_gpu_all.sh OUTDIR [BUILD_DIR]
+# Writes into OUTDIR: info.txt, run.txt, tests.log (+ tests.xml), sanitizer.log, bench.log,
+# results.json (tessera and peers from this one run). Reuses BUILD_DIR (default build/) when it
+# holds a build; otherwise configures and builds it (needs CUTLASS headers: scripts/setup.sh).
+set -uo pipefail
+out=${1:?usage: run_gpu_all.sh OUTDIR [BUILD_DIR]}
+build=${2:-build}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+status=0
+
+if [ ! -x "$build/tests/tessera_tests" ]; then
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release && cmake --build "$build" -j "$(nproc)" || exit 1
+fi
+
+"$build/tools/tessera" info | tee "$out/info.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv >> "$out/info.txt" 2>&1
+"$build/tools/tessera" run > "$out/run.txt" 2>&1 || { echo "tessera run FAILED"; status=1; }
+
+echo "== tests"
+"$build/tests/tessera_tests" --gtest_output=xml:"$out/tests.xml" > "$out/tests.log" 2>&1 || { echo "tests FAILED"; status=1; }
+tail -3 "$out/tests.log"
+grep -E "^\[  (FAILED|SKIPPED) " "$out/tests.log" | head -20
+
+if command -v compute-sanitizer >/dev/null && [ "${SKIP_SANITIZER:-0}" != 1 ]; then
+  echo "== compute-sanitizer (memcheck, racecheck) on the GPU suites"
+  { compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='Gpu*' 2>&1 | tail -5
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuMerge*InPlace*' 2>&1 | tail -5
+  } > "$out/sanitizer.log" 2>&1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log"
+fi
+
+echo "== benchmarks"
+python3 bench/run_bench.py --bench "$build/bench/tessera_bench" --cases bench/cases \
+  --out "$out/results.json" ${TESSERA_COMMIT:+--commit $TESSERA_COMMIT} > "$out/bench.log" 2>&1 || { echo "bench FAILED"; status=1; }
+tail -12 "$out/bench.log"
+echo "== peers"
+python3 bench/peers.py --cases bench/cases --out "$out/results.json" --merge-into "$out/results.json" \
+  ${PEER_SUITES:+--suites $PEER_SUITES} > "$out/peers.log" 2>&1 || { echo "peers FAILED"; status=1; }
+tail -40 "$out/peers.log"
+exit $status
