@@ -52,6 +52,13 @@ __global__ void fill_kernel(uint32_t* p, size_t words, uint32_t seed, bool fp32)
   }
 }
 
+__global__ void spin_kernel(long long ns) {
+  long long start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  long long now = start;
+  while (now - start < ns) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+}
+
 int blocks_for(size_t n, int threads) {
   int device = 0, sms = 0;
   cuda_ok(cudaGetDevice(&device), "device");
@@ -61,6 +68,11 @@ int blocks_for(size_t n, int threads) {
 }
 
 }  // namespace
+
+void gpu_spin(double us) {
+  spin_kernel<<<1, 1>>>(static_cast<long long>(us * 1e3));
+  cuda_ok(cudaGetLastError(), "spin");
+}
 
 void fill_random(void* p, size_t bytes, uint32_t seed, bool fp32) {
   const size_t words = bytes / 4;

@@ -13,6 +13,11 @@
 
 namespace tessera::bench {
 
+// Keeps the GPU busy for about `us` microseconds (bench/ceilings.cu). Queued before the timed
+// launches so that the host has enqueued them all before the first runs: the events then time GPU
+// work only, not the host's launch rate (which dominates kernels of a few microseconds).
+void gpu_spin(double us);
+
 inline void cuda_ok(cudaError_t s, const char* what) {
   if (s != cudaSuccess) {
     std::fprintf(stderr, "CUDA error in %s: %s\n", what, cudaGetErrorString(s));
@@ -36,6 +41,7 @@ inline double median_ms(const std::function<void(int)>& run, int warmup = 5, int
   std::vector<cudaEvent_t> ev(iters + 1);
   for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
   // Back-to-back launches, one event between each: per-launch times without host gaps.
+  gpu_spin(iters * 20.0 + 1000.0);
   cuda_ok(cudaEventRecord(ev[0]), "record");
   for (int i = 0; i < iters; ++i) {
     run(warmup + i);
