@@ -80,47 +80,71 @@ __global__ void __launch_bounds__(kThreads) merge_states_kernel(MergeStatesParam
   const int vecs_per_token = p.heads * vecs_per_row;
   const int total = p.rows * vecs_per_token;  // < 2^31, checked on the host
 
-  // Warp-uniform loop: every lane runs every iteration, so __syncwarp below is legal. The host
-  // requires head_dim / 8 to divide 32, so the threads of one (row, head) share a warp.
+  // Warp-uniform loop: every lane runs every iteration, so __syncwarp below is legal. A warp
+  // takes kItems runs of 32 consecutive vectors; the host requires head_dim / 8 to divide 32, so
+  // the threads of one (row, head) always share a warp.
+  // Loads first, math second: every o and LSE load of an iteration is issued before any result is
+  // needed. Measured on H200 (bf16, two states, 16384 x 32 x 128): loading o only after its LSE
+  // was known ran at 2.1 TB/s; all loads of one vector first, 2.5 TB/s; two vectors per thread
+  // (kItems = 2, 64 bytes in flight per thread), see notes/merge_states.md.
+  constexpr int kItems = kStacked ? 1 : 2;
   const int lane = threadIdx.x % 32;
-  for (int warp_base = blockIdx.x * kThreads + threadIdx.x - lane; warp_base < total;
-       warp_base += gridDim.x * kThreads) {
-    const int idx = warp_base + lane;
-    const bool active = idx < total;
-    const int row = (active ? idx : 0) / vecs_per_token;
-    const int within = (active ? idx : 0) - row * vecs_per_token;
-    const int head = within / vecs_per_row;
-    const int col = (within - head * vecs_per_row) * kElemsPerVec;
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * (kThreads / 32);
+  for (int chunk = warp * 32 * kItems; chunk < total; chunk += num_warps * 32 * kItems) {
+    int row[kItems], head[kItems], col[kItems];
+    bool active[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int idx = chunk + j * 32 + lane;
+      active[j] = idx < total;
+      row[j] = (active[j] ? idx : 0) / vecs_per_token;
+      const int within = (active[j] ? idx : 0) - row[j] * vecs_per_token;
+      head[j] = within / vecs_per_row;
+      col[j] = (within - head[j] * vecs_per_row) * kElemsPerVec;
+    }
 
-    // Loads first, math second: every o and LSE load of a group is issued before any result is
-    // needed, so a thread waits for one memory latency per group, not one per state. (Measured:
-    // loading o only after its LSE was known ran the two-state bf16 merge at 2.1 TB/s.)
-    MergeAccumulator accum;
-    constexpr int kGroup = kStacked ? 4 : 2;
+    MergeAccumulator accum[kItems];
+    constexpr int kGroup = kStacked ? 4 : 2;  // states loaded together
     for (int first = 0; first < p.num_states; first += kGroup) {
-      float s[kGroup];
-      float o[kGroup][kElemsPerVec];
+      float s[kItems][kGroup];
+      float o[kItems][kGroup][kElemsPerVec];
 #pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        const int i = first + k < p.num_states ? first + k : first;  // clamp: stays in bounds
-        s[k] = __ldg(lse_ptr<kStacked>(p, i, row, head));
-        Vec8<TIn>::load_stream(o_ptr<kStacked, TIn>(p, i, row, head, col)).to_float(o[k]);
+      for (int j = 0; j < kItems; ++j) {
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) {
+          const int i = first + k < p.num_states ? first + k : first;  // clamp: stays in bounds
+          s[j][k] = __ldg(lse_ptr<kStacked>(p, i, row[j], head[j]));
+          Vec8<TIn>::load_stream(o_ptr<kStacked, TIn>(p, i, row[j], head[j], col[j]))
+              .to_float(o[j][k]);
+        }
       }
 #pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        if (first + k < p.num_states) accum.add(s[k], o[k]);
+      for (int j = 0; j < kItems; ++j) {
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) {
+          if (first + k < p.num_states) accum[j].add(s[j][k], o[j][k]);
+        }
       }
     }
-    float acc[kElemsPerVec];
-    const float s_out = accum.finish(acc);
-    if (active) {
-      Vec8<TOut>::from_float(acc).store(static_cast<TOut*>(p.o_out) + row * p.o_out_row +
-                                        head * p.o_out_head + col);
+
+    float s_out[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      float acc[kElemsPerVec];
+      s_out[j] = accum[j].finish(acc);
+      if (active[j]) {
+        Vec8<TOut>::from_float(acc).store(static_cast<TOut*>(p.o_out) + row[j] * p.o_out_row +
+                                          head[j] * p.o_out_head + col[j]);
+      }
     }
-    // In place, s_out is one of the inputs: every lane of this (row, head) has read it by now.
+    // In place, s_out is one of the inputs: every lane of the warp has read it by now.
     __syncwarp();
-    if (active && p.s_out != nullptr && col == 0) {
-      p.s_out[row * p.s_out_row + head * p.s_out_head] = s_out;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      if (active[j] && p.s_out != nullptr && col[j] == 0) {
+        p.s_out[row[j] * p.s_out_row + head[j] * p.s_out_head] = s_out[j];
+      }
     }
   }
 }
@@ -132,7 +156,8 @@ void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
   int device = 0, sms = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wanted = (total + kThreads - 1) / kThreads;
+  const int items_per_thread = p.stacked ? 1 : 2;  // kItems of the kernel
+  const int64_t wanted = (total + kThreads * items_per_thread - 1) / (kThreads * items_per_thread);
   const int blocks = static_cast<int>(wanted < int64_t(sms) * 8 ? wanted : int64_t(sms) * 8);
   if (p.stacked) {
     merge_states_kernel<true, TIn, TOut><<<blocks, kThreads, 0, stream>>>(p);
