@@ -16,7 +16,8 @@ import subprocess
 import sys
 
 # Suites with a tessera benchmark, and the ceilings their records are compared with.
-TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"]}
+TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"],
+                  "prefill_portable": [], "prefill": [], "memory": []}
 
 
 def last_json_line(text):
@@ -90,7 +91,7 @@ def main():
     print(f"copy ceiling {ceiling['copy']:.2f} TB/s, read ceiling {ceiling['read']:.2f} TB/s")
     for r in results["records"]:
         t = r["tessera"]
-        ratio = "" if t is None else f"  {t / r['ceiling']['copy']:.1%} of copy"
+        ratio = "" if t is None or "copy" not in r["ceiling"] else f"  {t / r['ceiling']['copy']:.1%} of copy"
         print(f"{r['suite']:8s} {r['case']:34s} {t if t is not None else 'FAILED'} {r['metric']}{ratio}")
 
 

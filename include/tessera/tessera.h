@@ -1,6 +1,7 @@
 // Everything a user of tessera includes.
 #pragma once
 
+#include "tessera/attention.h"
 #include "tessera/device_info.h"
 #include "tessera/dtype.h"
 #include "tessera/error.h"

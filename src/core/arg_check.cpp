@@ -74,7 +74,7 @@ void ArgCheck::same_shape(const TensorView& a, const char* a_name, const TensorV
 }
 
 void ArgCheck::head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
-                           std::initializer_list<int> supported) const {
+                           const std::vector<int>& supported) const {
   require(num_kv_heads >= 1, "num_kv_heads", "must be at least 1, got " + std::to_string(num_kv_heads));
   require(num_qo_heads >= 1, "num_qo_heads", "must be at least 1, got " + std::to_string(num_qo_heads));
   require(num_qo_heads % num_kv_heads == 0, "num_qo_heads",

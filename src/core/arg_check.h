@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "tessera/error.h"
 #include "tessera/tensor.h"
@@ -34,7 +35,7 @@ class ArgCheck {
   // Attention head configuration: num_kv_heads >= 1 divides num_qo_heads (GQA/MQA groups), and
   // head_dim is one of `supported` (the head dims this build instantiated).
   void head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
-                   std::initializer_list<int> supported) const;
+                   const std::vector<int>& supported) const;
 
   // A CSR offset array on the host: starts at 0, non-decreasing, ends at most at `max_end` (or
   // exactly at it when `exact_end`).

@@ -257,3 +257,70 @@ TEST(DeviceInfoPaths, PathByComputeCapability) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// A valid prefill problem (2 requests, 8 query heads / 2 KV heads, hd 128) broken one way a test.
+struct PrefillProblem {
+  std::vector<int32_t> qo{0, 5, 9};
+  std::vector<int32_t> kv{0, 7, 20};
+  PrefillArgs a;
+  PrefillProblem() {
+    a.q = TensorView::contiguous(fake(), DType::kBF16, {9, 8, 128});
+    a.k = TensorView::contiguous(fake(1 << 20), DType::kBF16, {20, 2, 128});
+    a.v = TensorView::contiguous(fake(2 << 20), DType::kBF16, {20, 2, 128});
+    a.o = TensorView::contiguous(fake(3 << 20), DType::kBF16, {9, 8, 128});
+    a.qo_indptr = TensorView::contiguous(fake(4 << 20), DType::kInt32, {3});
+    a.kv_indptr = TensorView::contiguous(fake(5 << 20), DType::kInt32, {3});
+  }
+  void run() {
+    a.host_qo_indptr = qo.data();
+    a.host_kv_indptr = kv.data();
+    batch_prefill(a, nullptr);
+  }
+};
+
+TEST(BadInputPrefill, GqaGroupNotAMultiple) {
+  PrefillProblem p;
+  p.a.k = TensorView::contiguous(fake(1 << 20), DType::kBF16, {20, 3, 128});
+  p.a.v = TensorView::contiguous(fake(2 << 20), DType::kBF16, {20, 3, 128});
+  expect_error([&] { p.run(); }, {"batch_prefill", "'num_qo_heads'", "multiple of num_kv_heads"});
+}
+
+TEST(BadInputPrefill, UnsupportedHeadDim) {
+  PrefillProblem p;
+  for (TensorView* t : {&p.a.q, &p.a.o}) t->shape[2] = 96, t->stride[1] = 96, t->stride[0] = 8 * 96;
+  for (TensorView* t : {&p.a.k, &p.a.v}) t->shape[2] = 96, t->stride[1] = 96, t->stride[0] = 2 * 96;
+  expect_error([&] { p.run(); }, {"'head_dim'", "compiled head dims", "got 96"});
+}
+
+TEST(BadInputPrefill, DtypesShapesAndIndptr) {
+  PrefillProblem p;
+  p.a.v.dtype = DType::kFP16;
+  expect_error([&] { p.run(); }, {"'v'", "dtype must be bf16"});
+  PrefillProblem q;
+  q.a.o = TensorView::contiguous(fake(3 << 20), DType::kBF16, {9, 4, 128});
+  expect_error([&] { q.run(); }, {"'o'", "must equal the shape of 'q'"});
+  PrefillProblem r;
+  r.qo = {1, 5, 9};
+  expect_error([&] { r.run(); }, {"'qo_indptr'", "must start at 0"});
+  PrefillProblem s;
+  s.kv = {0, 7, 21};
+  expect_error([&] { s.run(); }, {"'kv_indptr'", "exceeds 20"});
+  PrefillProblem t;
+  t.a.window_left = -2;
+  expect_error([&] { t.run(); }, {"'window_left'"});
+  PrefillProblem u;
+  u.a.lse = TensorView::contiguous(fake(6 << 20), DType::kFP32, {9, 7});
+  expect_error([&] { u.run(); }, {"'lse'", "[total_q, num_qo_heads]"});
+  PrefillProblem w;
+  w.a.q.data = fake(4);
+  expect_error([&] { w.run(); }, {"'q'", "16-byte aligned"});
+  PrefillProblem x;
+  x.a.host_qo_indptr = nullptr;
+  expect_error([&] { batch_prefill(x.a, nullptr); }, {"'host_qo_indptr'", "is required"});
+}
+
+}  // namespace
+}  // namespace tessera

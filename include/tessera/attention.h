@@ -1,0 +1,47 @@
+// Exact attention over ragged batches (prefill / extend).
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/stream.h"
+#include "tessera/tensor.h"
+
+namespace tessera {
+
+// Which kernel family runs. kAuto lets the dispatcher choose by GPU and problem; the others force
+// a family (for tests and ablations) and fail with tessera::Error when it cannot run the problem
+// on this GPU or was not compiled.
+enum class AttentionPath : int { kAuto = 0, kPortable = 1, kHopper = 2 };
+
+const char* attention_path_name(AttentionPath path);
+
+// Batch prefill over ragged Q and ragged K/V (FlashAttention "varlen"):
+//   q [total_q, num_qo_heads, head_dim], k/v [total_kv, num_kv_heads, head_dim] (bf16 or fp16,
+//   head_dim contiguous, rows and heads may be strided), request i owns q rows
+//   [qo_indptr[i], qo_indptr[i+1]) and kv rows [kv_indptr[i], kv_indptr[i+1]); qo_len may differ
+//   from kv_len (chunked prefill: the queries are the last qo_len positions of the sequence).
+//   o [total_q, num_qo_heads, head_dim] has q's dtype; lse [total_q, num_qo_heads] fp32 (natural
+//   log) is optional (leave it an empty TensorView).
+// The index arrays are device int32 tensors; host copies are required too (the launch is sized
+// from them, as a serving engine's planner would) and are checked.
+struct PrefillArgs {
+  TensorView q, k, v;
+  TensorView qo_indptr, kv_indptr;
+  const int32_t* host_qo_indptr = nullptr;
+  const int32_t* host_kv_indptr = nullptr;
+  TensorView o;
+  TensorView lse;             // optional
+  bool causal = false;        // bottom-right aligned: row i sees keys j <= i + kv_len - qo_len
+  int window_left = -1;       // >= 0: also requires j >= i + kv_len - qo_len - window_left
+  float scale = 0.f;          // <= 0: 1 / sqrt(head_dim)
+  float soft_cap = 0.f;       // > 0: logits = soft_cap * tanh(scale * q.k / soft_cap)
+  AttentionPath path = AttentionPath::kAuto;
+};
+
+// Asynchronous on `stream`; holds no memory beyond o and lse.
+void batch_prefill(const PrefillArgs& args, cudaStream_t stream);
+
+// The family kAuto picks for this problem on the current GPU (without running anything).
+AttentionPath choose_prefill_path(const PrefillArgs& args);
+
+}  // namespace tessera

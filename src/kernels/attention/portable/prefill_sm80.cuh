@@ -1,0 +1,294 @@
+// Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA of 4 warps owns 64
+// query rows of one (request, query head); each warp owns 16 rows and keeps its O accumulators and
+// softmax statistics in registers while the CTA streams K and V tiles of 64 keys through shared
+// memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P never leaves
+// registers: the S accumulators are re-packed as the A operand of the P V product.
+// Loads overlap compute as in FA2: V(j) loads while S(j) is computed, K(j+1) while O += P V(j).
+// KV tiles wholly outside the mask band are never visited; only tiles that cross its edge are
+// masked element by element.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/attention/prefill_params.h"
+#include "kernels/common/mma_sm80.cuh"
+
+namespace tessera::kernels::sm80 {
+
+// Logit transforms, applied to the raw q.k of visible keys; results are in log2 units so the
+// softmax can use exp2.
+struct PlainLogits {
+  float scale_log2;
+  __host__ __device__ explicit PlainLogits(const PrefillParams& p) : scale_log2(p.scale * 1.4426950408889634f) {}
+  __device__ float operator()(float qk) const { return qk * scale_log2; }
+};
+struct SoftCappedLogits {
+  float pre, post;  // cap * tanh(qk * scale / cap), then to log2 units
+  __host__ __device__ explicit SoftCappedLogits(const PrefillParams& p)
+      : pre(p.scale / p.soft_cap), post(p.soft_cap * 1.4426950408889634f) {}
+  __device__ float operator()(float qk) const { return post * tanhf(qk * pre); }
+};
+
+template <int kHeadDim>
+struct PrefillConfig {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockM = 16 * kWarps;  // query rows per CTA, 16 per warp
+  static constexpr int kBlockN = 64;           // keys per K/V tile
+  // Q fragments live in registers up to hd128 (32 registers); at hd256 they are re-read from
+  // shared memory each tile to leave registers for the 128 O accumulators.
+  static constexpr bool kQInRegisters = kHeadDim <= 128;
+  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+};
+
+// The band of keys a query row may see: [key_begin(i), key_end(i)).
+struct MaskBand {
+  int qo_len, kv_len, offset;  // offset = kv_len - qo_len (bottom-right alignment)
+  bool causal;
+  int window_left;
+  __device__ int key_begin(int row) const {
+    return window_left >= 0 ? max(0, row + offset - window_left) : 0;
+  }
+  __device__ int key_end(int row) const {
+    return causal ? min(kv_len, row + offset + 1) : kv_len;
+  }
+  __device__ bool visible(int row, int key) const {
+    return key < kv_len && (!causal || key <= row + offset) &&
+           (window_left < 0 || key >= row + offset - window_left);
+  }
+};
+
+// Copies rows [row0, row0 + kRows) of one head of a ragged [rows, heads, kHeadDim] tensor into a
+// swizzled shared tile; rows at or past `valid_rows` are zero-filled.
+template <typename T, int kRows, int kHeadDim, int kThreads>
+__device__ void load_tile_async(const SwizzledTile<T, kRows, kHeadDim>& tile, const T* head_base,
+                                int64_t row_stride, int row0, int valid_rows) {
+  constexpr int kChunks = kRows * kHeadDim / 8;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among the threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int row = c / (kHeadDim / 8);
+    const int col = (c % (kHeadDim / 8)) * 8;
+    const bool valid = row0 + row < valid_rows;
+    const T* src = head_base + (valid ? int64_t(row0 + row) * row_stride : 0) + col;
+    cp_async_16(tile.at(row, col), src, valid);
+  }
+}
+
+template <typename T, int kHeadDim, typename Logits>
+__global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
+    prefill_sm80_kernel(const PrefillParams p) {
+  using Config = PrefillConfig<kHeadDim>;
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
+  constexpr int kNTiles = kBlockN / 8;     // S accumulator tiles of 8 keys
+  constexpr int kDTiles = kHeadDim / 8;    // O accumulator tiles of 8 dims
+  constexpr int kKSteps = kHeadDim / 16;   // k-steps of Q K^T
+
+  // Heavy (late, for causal) query tiles first: they see the most keys.
+  const int m_tile = gridDim.x - 1 - blockIdx.x;
+  const int request = blockIdx.y;
+  const int head = blockIdx.z;
+  const int q_start = p.qo_indptr[request];
+  const int qo_len = p.qo_indptr[request + 1] - q_start;
+  const int m0 = m_tile * kBlockM;
+  if (m0 >= qo_len) return;
+  const int kv_start = p.kv_indptr[request];
+  const int kv_len = p.kv_indptr[request + 1] - kv_start;
+  const int kv_head = head / (p.num_qo_heads / p.num_kv_heads);
+  const MaskBand band{qo_len, kv_len, kv_len - qo_len, p.causal, p.window_left};
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row_lo = m0 + warp * 16 + g;  // this lane's two rows: row_lo and row_lo + 8
+  const int row_hi = row_lo + 8;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
+  const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
+  const SwizzledTile<T, kBlockN, kHeadDim> v_tile{k_tile.base + kBlockN * kHeadDim};
+
+  const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
+  const T* k_head = static_cast<const T*>(p.k) + int64_t(kv_start) * p.k_stride_row + kv_head * p.k_stride_head;
+  const T* v_head = static_cast<const T*>(p.v) + int64_t(kv_start) * p.v_stride_row + kv_head * p.v_stride_head;
+
+  // The KV tiles this CTA visits: those meeting the band of any of its rows.
+  const int last_row = min(m0 + kBlockM, qo_len) - 1;
+  const int n_begin = band.key_begin(m0);
+  const int n_end = band.key_end(last_row);
+  const int first_tile = n_begin / kBlockN;
+  const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
+
+  float o_acc[kDTiles][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
+  float row_sum[2] = {0.f, 0.f};              // this lane's partial sums; reduced at the end
+  uint32_t q_frag[Config::kQInRegisters ? kKSteps : 1][4];
+
+  load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
+  if (first_tile < end_tile) {
+    load_tile_async<T, kBlockN, kHeadDim, kThreads>(k_tile, k_head, p.k_stride_row,
+                                                    first_tile * kBlockN, kv_len);
+  }
+  cp_async_commit();
+
+  const Logits logits(p);
+  for (int tile = first_tile; tile < end_tile; ++tile) {
+    const int n0 = tile * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K(tile) (and Q) landed; every warp is done with V(tile - 1)
+    load_tile_async<T, kBlockN, kHeadDim, kThreads>(v_tile, v_head, p.v_stride_row, n0, kv_len);
+    cp_async_commit();
+
+    if constexpr (Config::kQInRegisters) {
+      if (tile == first_tile) {
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          ldmatrix_x4(q_frag[ks], q_tile.at(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                            ks * 16 + (lane / 16) * 8));
+        }
+      }
+    }
+
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    float s[kNTiles][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[4];
+      if constexpr (Config::kQInRegisters) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
+      } else {
+        ldmatrix_x4(a, q_tile.at(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                 ks * 16 + (lane / 16) * 8));
+      }
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, k_tile.at(np * 16 + (lane % 8) + (lane / 16) * 8,
+                                 ks * 16 + ((lane / 8) % 2) * 8));
+        mma_16816<T>(s[2 * np], a, b[0], b[1]);
+        mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    // Logits in log2 units; keys outside the band (or past kv_len) at -inf.
+    const bool needs_mask = n0 + kBlockN > kv_len ||
+                            (p.causal && n0 + kBlockN - 1 > m0 + band.offset) ||
+                            (p.window_left >= 0 && n0 < last_row + band.offset - p.window_left);
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + j * 8 + 2 * t + (e & 1);
+        const int row = e < 2 ? row_lo : row_hi;
+        s[j][e] = (!needs_mask || band.visible(row, key)) ? logits(s[j][e]) : -INFINITY;
+      }
+    }
+
+    // Online softmax: new row maxima (the 4 lanes of a row share them), rescale what came before.
+    float scale_prev[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = row_max[r];
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float m_safe = m == -INFINITY ? 0.f : m;  // a row with nothing visible yet
+      scale_prev[r] = exp2f(row_max[r] - m_safe);
+      row_max[r] = m;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        s[j][2 * r] = exp2f(s[j][2 * r] - m_safe);
+        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_safe);
+        sum += s[j][2 * r] + s[j][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * scale_prev[r] + sum;
+    }
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      o_acc[d][0] *= scale_prev[0];
+      o_acc[d][1] *= scale_prev[0];
+      o_acc[d][2] *= scale_prev[1];
+      o_acc[d][3] *= scale_prev[1];
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V(tile) landed; every warp is done with K(tile)
+    if (tile + 1 < end_tile) {
+      load_tile_async<T, kBlockN, kHeadDim, kThreads>(k_tile, k_head, p.k_stride_row,
+                                                      n0 + kBlockN, kv_len);
+    }
+    cp_async_commit();
+
+    // O += P V, P taken straight from the S accumulators (two 8-key tiles make one k16 A tile).
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      const uint32_t a[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]),
+                             pack2<T>(s[2 * ks][2], s[2 * ks][3]),
+                             pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                             pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_tile.at(ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                       dp * 16 + (lane / 16) * 8));
+        mma_16816<T>(o_acc[2 * dp], a, b[0], b[1]);
+        mma_16816<T>(o_acc[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+  cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
+
+  // Epilogue: O / l, LSE = (max + log2 l) * ln 2; rows that saw no key give 0 and -inf.
+  float inv_sum[2], lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const bool empty = row_max[r] == -INFINITY || l == 0.f;
+    inv_sum[r] = empty ? 0.f : 1.f / l;
+    lse[r] = empty ? -INFINITY : (row_max[r] + log2f(l)) * 0.6931471805599453f;
+  }
+  T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r == 0 ? row_lo : row_hi;
+    if (row >= qo_len) continue;
+    T* o_row = o_head + int64_t(row) * p.o_stride_row;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
+          pack2<T>(o_acc[d][2 * r] * inv_sum[r], o_acc[d][2 * r + 1] * inv_sum[r]);
+    }
+    if (p.lse != nullptr && t == 0) {
+      p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] = lse[r];
+    }
+  }
+}
+
+template <typename T, int kHeadDim>
+void launch_prefill(const PrefillParams& p, cudaStream_t stream) {
+  using Config = PrefillConfig<kHeadDim>;
+  const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
+  if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
+  const dim3 grid(m_tiles, p.batch_size, p.num_qo_heads);
+  auto run = [&](auto kernel) {
+    if (Config::kSmemBytes > 48 * 1024) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+    }
+    kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  };
+  if (p.soft_cap > 0.f) {
+    run(prefill_sm80_kernel<T, kHeadDim, SoftCappedLogits>);
+  } else {
+    run(prefill_sm80_kernel<T, kHeadDim, PlainLogits>);
+  }
+}
+
+}  // namespace tessera::kernels::sm80

@@ -1,0 +1,46 @@
+// What a prefill attention kernel reads: host-visible, no CUDA types but the stream.
+#pragma once
+
+#include <cstdint>
+
+#include "tessera/dtype.h"
+#include "tessera/stream.h"
+
+namespace tessera::kernels {
+
+struct PrefillParams {
+  // Ragged Q/O [total_q, num_qo_heads, head_dim], K/V [total_kv, num_kv_heads, head_dim]; element
+  // strides of the row and head dims (head_dim is contiguous).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;  // [total_q, num_qo_heads], may be null
+  int64_t q_stride_row = 0, q_stride_head = 0;
+  int64_t k_stride_row = 0, k_stride_head = 0;
+  int64_t v_stride_row = 0, v_stride_head = 0;
+  int64_t o_stride_row = 0, o_stride_head = 0;
+  int64_t lse_stride_row = 0, lse_stride_head = 0;
+  const int32_t* qo_indptr = nullptr;  // device [batch + 1]
+  const int32_t* kv_indptr = nullptr;  // device [batch + 1]
+  int batch_size = 0;
+  int num_qo_heads = 0;
+  int num_kv_heads = 0;
+  int max_qo_len = 0;  // from the host copy of qo_indptr: sizes the grid
+  // Mask: bottom-right causal and/or a left window (window_left < 0: none).
+  bool causal = false;
+  int window_left = -1;
+  // Logits: s = scale * q.k; with soft_cap > 0, s = soft_cap * tanh(s / soft_cap).
+  float scale = 0.f;
+  float soft_cap = 0.f;
+};
+
+// Portable (sm_80+) kernel family. dtype: bf16 or fp16; head_dim: 64, 128 or 256 (as compiled,
+// see the instantiation list). Throws tessera::Error for a combination that was not compiled.
+void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
+                         cudaStream_t stream);
+
+// Whether the portable family was compiled for (dtype, head_dim).
+bool prefill_sm80_compiled(DType dtype, int head_dim);
+
+}  // namespace tessera::kernels

@@ -1,0 +1,94 @@
+// Warp-level tile primitives of the portable (sm_80+) kernels, as raw PTX: cp.async for
+// global->shared copies, ldmatrix for shared->register fragments, mma.sync m16n8k16 with fp32
+// accumulation. Raw PTX rather than CuTe atoms because the fragment layouts are the algorithm here
+// (P is re-used as an A operand straight from the S accumulators) and are clearer spelled out.
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   A 16x16 (4 x b32): a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8  (2 x b32): b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
+//   C 16x8  (4 x f32): c0,c1 (g, 2t..2t+1)  c2,c3 (g+8, 2t..2t+1)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace tessera::kernels::sm80 {
+
+__device__ inline uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; `valid == false` writes zeros and reads nothing.
+__device__ inline void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// c += a * b for one m16n8k16 tile; T is __nv_bfloat16 or __half.
+template <typename T>
+__device__ inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two fp32 values packed into one b32 of T (the low half holds `lo`).
+template <typename T>
+__device__ inline uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    r = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return r;
+}
+
+// A tile of kRows x kCols 16-bit elements in shared memory, rows of kCols contiguous elements,
+// with the 16-byte chunks of each row XOR-swizzled by (row % 8): the 8 rows an ldmatrix reads
+// at one logical chunk land in 8 different bank groups, and so do the 16-byte cp.async writes.
+template <typename T, int kRows, int kCols>
+struct SwizzledTile {
+  static_assert(kCols % 64 == 0, "rows must hold at least 8 chunks of 16 bytes");
+  static constexpr int kChunksPerRow = kCols / 8;
+  static constexpr int kBytes = kRows * kCols * 2;
+  T* base;
+
+  __device__ T* at(int row, int col) const {  // col: a multiple of 8
+    const int chunk = (col / 8) ^ (row % 8);
+    return base + row * kCols + chunk * 8;
+  }
+};
+
+}  // namespace tessera::kernels::sm80

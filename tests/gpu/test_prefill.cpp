@@ -1,0 +1,205 @@
+// batch_prefill on the GPU against the fp64 CPU reference, with the tolerance rule of STYLE.md:
+// max error <= 2 x (max error of the naive computation in the kernel's precision) + a floor.
+#include <algorithm>
+
+#include "dispatch/prefill_dispatch.h"
+#include "gpu/gpu_test_util.h"
+#include "reference/attention_ref.h"
+
+namespace tessera::testing {
+namespace {
+
+struct PrefillCase {
+  DType dtype = DType::kBF16;
+  int head_dim = 128;
+  int num_qo_heads = 4, num_kv_heads = 4;
+  std::vector<int> qo_len, kv_len;
+  bool causal = false;
+  int window_left = -1;
+  float soft_cap = 0.f;
+  float scale = 0.f;
+  int64_t pad = 0;  // extra elements per row of q/k/v/o (strided rows)
+  AttentionPath path = AttentionPath::kAuto;
+};
+
+std::string describe(const PrefillCase& c) {
+  std::string s = std::string(dtype_name(c.dtype)) + " hd" + std::to_string(c.head_dim) + " heads " +
+                  std::to_string(c.num_qo_heads) + "/" + std::to_string(c.num_kv_heads) + " qo_len [";
+  for (int x : c.qo_len) s += std::to_string(x) + " ";
+  s += "] kv_len [";
+  for (int x : c.kv_len) s += std::to_string(x) + " ";
+  s += "]";
+  if (c.causal) s += " causal";
+  if (c.window_left >= 0) s += " window " + std::to_string(c.window_left);
+  if (c.soft_cap > 0) s += " softcap " + std::to_string(c.soft_cap);
+  if (c.pad) s += " strided";
+  return s;
+}
+
+struct Ragged16 {  // a ragged [rows, heads, dim] tensor with padded rows, on host and device
+  int64_t rows, heads, dim, row_stride;
+  std::vector<uint16_t> bits;
+  std::vector<float> dense;  // [rows, heads, dim] exact values, unpadded
+  DeviceBuffer dev;
+  Ragged16(int64_t r, int64_t h, int64_t d, int64_t pad, DType dtype, std::mt19937& rng, float range)
+      : rows(r), heads(h), dim(d), row_stride(h * d + pad), dev(std::max<int64_t>(r * (h * d + pad), 8) * 2) {
+    std::vector<uint16_t> packed;
+    dense = random_16bit(size_t(r * h * d), dtype, rng, packed, -range, range);
+    bits.assign(size_t(std::max<int64_t>(r * row_stride, 8)), to_bits(0.5f, dtype));
+    for (int64_t i = 0; i < r; ++i)
+      std::copy_n(&packed[i * h * d], h * d, &bits[i * row_stride]);
+    dev.upload(bits);
+  }
+  TensorView view(DType dtype) const {
+    return TensorView::strided(dev.get(), dtype, {rows, heads, dim}, {row_stride, dim, 1});
+  }
+};
+
+void run_case(const PrefillCase& c, uint32_t seed) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937 rng(seed);
+  const int B = static_cast<int>(c.qo_len.size());
+  std::vector<int32_t> qo_indptr{0}, kv_indptr{0};
+  for (int i = 0; i < B; ++i) {
+    qo_indptr.push_back(qo_indptr.back() + c.qo_len[i]);
+    kv_indptr.push_back(kv_indptr.back() + c.kv_len[i]);
+  }
+  const int64_t total_q = qo_indptr.back(), total_kv = kv_indptr.back();
+  Ragged16 q(total_q, c.num_qo_heads, c.head_dim, c.pad, c.dtype, rng, 2.f);
+  Ragged16 k(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.dtype, rng, 1.f);
+  Ragged16 v(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.dtype, rng, 1.f);
+  const int64_t o_stride = int64_t(c.num_qo_heads) * c.head_dim + c.pad;
+  DeviceBuffer o(std::max<int64_t>(total_q * o_stride, 8) * 2), lse(std::max<int64_t>(total_q * c.num_qo_heads, 2) * 4);
+  DeviceBuffer d_qo(qo_indptr.size() * 4), d_kv(kv_indptr.size() * 4);
+  d_qo.upload(qo_indptr);
+  d_kv.upload(kv_indptr);
+
+  PrefillArgs a;
+  a.q = q.view(c.dtype);
+  a.k = k.view(c.dtype);
+  a.v = v.view(c.dtype);
+  a.o = TensorView::strided(o.get(), c.dtype, {total_q, c.num_qo_heads, c.head_dim}, {o_stride, c.head_dim, 1});
+  a.lse = TensorView::contiguous(lse.get(), DType::kFP32, {total_q, c.num_qo_heads});
+  a.qo_indptr = TensorView::contiguous(d_qo.get(), DType::kInt32, {B + 1});
+  a.kv_indptr = TensorView::contiguous(d_kv.get(), DType::kInt32, {B + 1});
+  a.host_qo_indptr = qo_indptr.data();
+  a.host_kv_indptr = kv_indptr.data();
+  a.causal = c.causal;
+  a.window_left = c.window_left;
+  a.soft_cap = c.soft_cap;
+  a.scale = c.scale;
+  a.path = c.path;
+
+  o.poison();
+  lse.poison();
+  batch_prefill(a, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto o_bits = o.download<uint16_t>(size_t(total_q * o_stride));
+  const auto lse_got = lse.download<float>(size_t(total_q * c.num_qo_heads));
+  std::vector<float> o_got(size_t(total_q) * c.num_qo_heads * c.head_dim);
+  for (int64_t r = 0; r < total_q; ++r)
+    for (int64_t e = 0; e < int64_t(c.num_qo_heads) * c.head_dim; ++e) {
+      const uint16_t b = o_bits[r * o_stride + e];
+      float& dst = o_got[r * c.num_qo_heads * c.head_dim + e];
+      if (b == kPoison16) std::memcpy(&dst, "\xff\xff\xff\xff", 4);
+      else dst = from_bits(b, c.dtype);
+    }
+
+  // Bitwise identical on a second run.
+  batch_prefill(a, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(o.download<uint16_t>(size_t(total_q * o_stride)) == o_bits) << "second run differs";
+
+  ref::AttentionParams rp;
+  rp.num_qo_heads = c.num_qo_heads;
+  rp.num_kv_heads = c.num_kv_heads;
+  rp.head_dim = c.head_dim;
+  rp.causal = c.causal;
+  rp.window_left = c.window_left;
+  rp.scale = c.scale;
+  rp.soft_cap = c.soft_cap;
+  ref::RaggedKV kv(k.dense.data(), v.dense.data(), kv_indptr, c.num_kv_heads, c.head_dim);
+  std::vector<double> o_ref, lse_ref, o_naive, lse_naive;
+  ref::attention(q.dense.data(), qo_indptr, kv, rp, o_ref, lse_ref);
+  ref::attention_naive_lowp(q.dense.data(), qo_indptr, kv, rp, c.dtype == DType::kBF16 ? 7 : 10,
+                            o_naive, lse_naive);
+  double naive_err = 0;
+  for (size_t i = 0; i < o_ref.size(); ++i) {
+    if (std::isfinite(o_naive[i] - o_ref[i])) naive_err = std::max(naive_err, std::fabs(o_naive[i] - o_ref[i]));
+  }
+  expect_within_rule(o_got, o_ref, naive_err, 1e-4, "o");
+  expect_within_rule(lse_got, lse_ref, 0.0, 2e-4, "lse");
+}
+
+TEST(GpuPrefill, HeadDimsDtypesMasks) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 1;
+  for (int hd : dispatch::compiled_prefill_head_dims()) {
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      if (!dispatch::prefill_dtype_compiled(dt)) continue;
+      PrefillCase c;
+      c.dtype = dt;
+      c.head_dim = hd;
+      c.qo_len = {97, 1, 130};
+      c.kv_len = {97, 577, 200};
+      run_case(c, seed++);
+      c.causal = true;
+      run_case(c, seed++);
+      c.window_left = 33;
+      run_case(c, seed++);
+      c.causal = false;
+      run_case(c, seed++);
+      c.window_left = -1;
+      c.soft_cap = 5.f;
+      c.causal = true;
+      run_case(c, seed++);
+    }
+  }
+}
+
+TEST(GpuPrefill, AwkwardLengthsAndEmptyRequests) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 100;
+  PrefillCase c;
+  c.head_dim = 128;
+  c.num_qo_heads = 2;
+  c.num_kv_heads = 2;
+  // qo_len < kv_len, = kv_len, > kv_len (fully masked leading rows when causal), empty q, empty kv.
+  c.qo_len = {1, 7, 577, 97, 0, 54, 1000, 5};
+  c.kv_len = {7, 7, 577, 54, 9, 0, 1000, 1};
+  for (bool causal : {false, true}) {
+    c.causal = causal;
+    run_case(c, seed++);
+  }
+}
+
+TEST(GpuPrefill, GqaGroupsStridesAndScale) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 200;
+  for (auto [qh, kh] : {std::pair{8, 8}, {8, 2}, {8, 1}, {16, 1}}) {
+    PrefillCase c;
+    c.head_dim = 64;
+    c.num_qo_heads = qh;
+    c.num_kv_heads = kh;
+    c.qo_len = {65, 128};
+    c.kv_len = {300, 128};
+    c.causal = true;
+    c.pad = 24;
+    c.scale = 0.2f;
+    run_case(c, seed++);
+  }
+}
+
+TEST(GpuPrefill, ForcedPaths) {
+  TESSERA_REQUIRE_GPU();
+  PrefillCase c;
+  c.qo_len = {16};
+  c.kv_len = {16};
+  c.path = AttentionPath::kPortable;
+  run_case(c, 300);
+  c.path = AttentionPath::kHopper;  // not built yet: a clear error, not a silent fallback
+  EXPECT_THROW(run_case(c, 301), Error);
+}
+
+}  // namespace
+}  // namespace tessera::testing
