@@ -91,4 +91,26 @@ struct SwizzledTile {
   }
 };
 
+// Per-lane ldmatrix addressing into a SwizzledTile, for the x4 pattern where lane l reads row
+// `row0 + lane_row` and logical chunk `2 * step + lane_chunk` (lane_chunk in {0, 1}), with
+// lane_row % 8 == l % 8. Because (2 * step + lane_chunk) ^ (l % 8) only touches the low three
+// bits, the swizzled chunk is 8 * (step / 4) + xor_chunk[step % 4]: four per-lane values, and
+// every other term is a compile-time offset. Keeps the address registers of a fully unrolled
+// tile loop at 4 + 1 instead of one per (row block, step).
+template <typename T, int kRows, int kCols>
+struct LdmatrixLane {
+  const T* row_base;     // tile row `lane_row`, chunk 0
+  int xor_chunk[4];
+
+  __device__ LdmatrixLane(const SwizzledTile<T, kRows, kCols>& tile, int lane_row, int lane_chunk) {
+    row_base = tile.base + lane_row * kCols;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) xor_chunk[m] = ((2 * m + lane_chunk) ^ (lane_row % 8)) * 8;
+  }
+  // Address for row block offset `row0` (a multiple of 8) and k-step `step` (16 columns each).
+  __device__ const T* at(int row0, int step) const {
+    return row_base + row0 * kCols + (step / 4) * 64 + xor_chunk[step % 4];
+  }
+};
+
 }  // namespace tessera::kernels::sm80

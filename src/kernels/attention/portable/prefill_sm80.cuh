@@ -1,5 +1,5 @@
-// Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA of 4 warps owns 64
-// query rows of one (request, query head); each warp owns 16 rows and keeps its O accumulators and
+// Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA of 4 warps owns 128
+// query rows (64 at hd256) of one (request, query head); each warp owns 32 rows (16) and keeps its O accumulators and
 // softmax statistics in registers while the CTA streams K and V tiles of 64 keys through shared
 // memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P never leaves
 // registers: the S accumulators are re-packed as the A operand of the P V product.
@@ -35,11 +35,12 @@ template <int kHeadDim>
 struct PrefillConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = 16 * kWarps;  // query rows per CTA, 16 per warp
-  static constexpr int kBlockN = 64;           // keys per K/V tile
-  // Q fragments live in registers up to hd128 (32 registers); at hd256 they are re-read from
-  // shared memory each tile to leave registers for the 128 O accumulators.
-  static constexpr bool kQInRegisters = kHeadDim <= 128;
+  // Query rows per warp, in m16 tiles. Two (32 rows, as FA2) reuse each K/V fragment read from
+  // shared memory for twice the math; at hd256 the 256 O accumulators of 32 rows do not fit the
+  // register file, so one.
+  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;  // query rows per CTA
+  static constexpr int kBlockN = 64;                     // keys per K/V tile
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
 };
 
@@ -83,9 +84,10 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
     prefill_sm80_kernel(const PrefillParams p) {
   using Config = PrefillConfig<kHeadDim>;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
-  constexpr int kNTiles = kBlockN / 8;     // S accumulator tiles of 8 keys
-  constexpr int kDTiles = kHeadDim / 8;    // O accumulator tiles of 8 dims
-  constexpr int kKSteps = kHeadDim / 16;   // k-steps of Q K^T
+  constexpr int kMTiles = Config::kMTiles;  // m16 tiles per warp
+  constexpr int kNTiles = kBlockN / 8;      // S accumulator tiles of 8 keys
+  constexpr int kDTiles = kHeadDim / 8;     // O accumulator tiles of 8 dims
+  constexpr int kKSteps = kHeadDim / 16;    // k-steps of Q K^T
 
   // Heavy (late, for causal) query tiles first: they see the most keys.
   const int m_tile = gridDim.x - 1 - blockIdx.x;
@@ -102,13 +104,19 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int row_lo = m0 + warp * 16 + g;  // this lane's two rows: row_lo and row_lo + 8
-  const int row_hi = row_lo + 8;
+  // Warp w owns CTA rows {mt * 16 * kWarps + w * 16 + [0, 16)}; this lane holds rows g and g + 8
+  // of each of its m16 tiles.
+  auto tile_row = [&](int mt) { return mt * 16 * Config::kWarps + warp * 16; };
 
   extern __shared__ __align__(128) unsigned char smem[];
   const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
   const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
   const SwizzledTile<T, kBlockN, kHeadDim> v_tile{k_tile.base + kBlockN * kHeadDim};
+  // ldmatrix lanes: Q (A operand) and V (B, transposed) read rows (l%8) + 8*((l/8)%2), chunk l/16;
+  // K (B operand) reads rows (l%8) + 8*(l/16), chunk (l/8)%2.
+  const LdmatrixLane<T, kBlockM, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+  const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(k_tile, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+  const LdmatrixLane<T, kBlockN, kHeadDim> v_lane(v_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
   const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
   const T* k_head = static_cast<const T*>(p.k) + int64_t(kv_start) * p.k_stride_row + kv_head * p.k_stride_head;
@@ -121,10 +129,14 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
   const int first_tile = n_begin / kBlockN;
   const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
 
-  float o_acc[kDTiles][4] = {};
-  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
-  float row_sum[2] = {0.f, 0.f};              // this lane's partial sums; reduced at the end
-  uint32_t q_frag[Config::kQInRegisters ? kKSteps : 1][4];
+  float o_acc[kMTiles][kDTiles][4] = {};
+  float row_max[kMTiles][2];  // log2 units
+  float row_sum[kMTiles][2];  // this lane's partial sums; reduced over the row's 4 lanes at the end
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
 
   load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
   if (first_tile < end_tile) {
@@ -141,35 +153,22 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
     load_tile_async<T, kBlockN, kHeadDim, kThreads>(v_tile, v_head, p.v_stride_row, n0, kv_len);
     cp_async_commit();
 
-    if constexpr (Config::kQInRegisters) {
-      if (tile == first_tile) {
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          ldmatrix_x4(q_frag[ks], q_tile.at(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                            ks * 16 + (lane / 16) * 8));
-        }
-      }
-    }
-
-    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
-    float s[kNTiles][4] = {};
+    // S = Q K^T: each K fragment read from shared memory serves all kMTiles row tiles.
+    float s[kMTiles][kNTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a[4];
-      if constexpr (Config::kQInRegisters) {
+      uint32_t a[kMTiles][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
-      } else {
-        ldmatrix_x4(a, q_tile.at(warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                 ks * 16 + (lane / 16) * 8));
-      }
+      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_lane.at(tile_row(mt), ks));
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, k_tile.at(np * 16 + (lane % 8) + (lane / 16) * 8,
-                                 ks * 16 + ((lane / 8) % 2) * 8));
-        mma_16816<T>(s[2 * np], a, b[0], b[1]);
-        mma_16816<T>(s[2 * np + 1], a, b[2], b[3]);
+        ldmatrix_x4(b, k_lane.at(np * 16, ks));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
       }
     }
 
@@ -178,42 +177,45 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
                             (p.causal && n0 + kBlockN - 1 > m0 + band.offset) ||
                             (p.window_left >= 0 && n0 < last_row + band.offset - p.window_left);
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
+    for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + j * 8 + 2 * t + (e & 1);
-        const int row = e < 2 ? row_lo : row_hi;
-        s[j][e] = (!needs_mask || band.visible(row, key)) ? logits(s[j][e]) : -INFINITY;
+      for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + j * 8 + 2 * t + (e & 1);
+          const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
+          s[mt][j][e] = (!needs_mask || band.visible(row, key)) ? logits(s[mt][j][e]) : -INFINITY;
+        }
       }
     }
 
     // Online softmax: new row maxima (the 4 lanes of a row share them), rescale what came before.
-    float scale_prev[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float m = row_max[r];
+    for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float m_safe = m == -INFINITY ? 0.f : m;  // a row with nothing visible yet
-      scale_prev[r] = exp2f(row_max[r] - m_safe);
-      row_max[r] = m;
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float m = row_max[mt][r];
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-        s[j][2 * r] = exp2f(s[j][2 * r] - m_safe);
-        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - m_safe);
-        sum += s[j][2 * r] + s[j][2 * r + 1];
+        for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float m_safe = m == -INFINITY ? 0.f : m;  // a row with nothing visible yet
+        const float rescale = exp2f(row_max[mt][r] - m_safe);
+        row_max[mt][r] = m;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+          s[mt][j][2 * r] = exp2f(s[mt][j][2 * r] - m_safe);
+          s[mt][j][2 * r + 1] = exp2f(s[mt][j][2 * r + 1] - m_safe);
+          sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          o_acc[mt][d][2 * r] *= rescale;
+          o_acc[mt][d][2 * r + 1] *= rescale;
+        }
       }
-      row_sum[r] = row_sum[r] * scale_prev[r] + sum;
-    }
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      o_acc[d][0] *= scale_prev[0];
-      o_acc[d][1] *= scale_prev[0];
-      o_acc[d][2] *= scale_prev[1];
-      o_acc[d][3] *= scale_prev[1];
     }
 
     cp_async_wait<0>();
@@ -227,47 +229,51 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
     // O += P V, P taken straight from the S accumulators (two 8-key tiles make one k16 A tile).
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      const uint32_t a[4] = {pack2<T>(s[2 * ks][0], s[2 * ks][1]),
-                             pack2<T>(s[2 * ks][2], s[2 * ks][3]),
-                             pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                             pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+        a[mt][1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+        a[mt][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+        a[mt][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, v_tile.at(ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                       dp * 16 + (lane / 16) * 8));
-        mma_16816<T>(o_acc[2 * dp], a, b[0], b[1]);
-        mma_16816<T>(o_acc[2 * dp + 1], a, b[2], b[3]);
+        ldmatrix_x4_trans(b, v_lane.at(ks * 16, dp));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(o_acc[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16816<T>(o_acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
       }
     }
   }
-
   cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
 
   // Epilogue: O / l, LSE = (max + log2 l) * ln 2; rows that saw no key give 0 and -inf.
-  float inv_sum[2], lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const bool empty = row_max[r] == -INFINITY || l == 0.f;
-    inv_sum[r] = empty ? 0.f : 1.f / l;
-    lse[r] = empty ? -INFINITY : (row_max[r] + log2f(l)) * 0.6931471805599453f;
-  }
   T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = r == 0 ? row_lo : row_hi;
-    if (row >= qo_len) continue;
-    T* o_row = o_head + int64_t(row) * p.o_stride_row;
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
-          pack2<T>(o_acc[d][2 * r] * inv_sum[r], o_acc[d][2 * r + 1] * inv_sum[r]);
-    }
-    if (p.lse != nullptr && t == 0) {
-      p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] = lse[r];
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const bool empty = row_max[mt][r] == -INFINITY || l == 0.f;
+      const float inv_sum = empty ? 0.f : 1.f / l;
+      const int row = m0 + tile_row(mt) + g + 8 * r;
+      if (row >= qo_len) continue;
+      T* o_row = o_head + int64_t(row) * p.o_stride_row;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
+            pack2<T>(o_acc[mt][d][2 * r] * inv_sum, o_acc[mt][d][2 * r + 1] * inv_sum);
+      }
+      if (p.lse != nullptr && t == 0) {
+        p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
+            empty ? -INFINITY : (row_max[mt][r] + log2f(l)) * 0.6931471805599453f;
+      }
     }
   }
 }
