@@ -17,19 +17,31 @@
 
 namespace tessera::kernels::sm80 {
 
-// Logit transforms, applied to the raw q.k of visible keys; results are in log2 units so the
-// softmax can use exp2.
+// Logit transforms, applied to the raw q.k of every key. The softmax then works in log2 units:
+// p = 2^(x * log2_scale - max * log2_scale), one FFMA and one EX2 per element (FA2's trick of
+// folding the softmax scale into the exponent).
 struct PlainLogits {
-  float scale_log2;
-  __host__ __device__ explicit PlainLogits(const PrefillParams& p) : scale_log2(p.scale * 1.4426950408889634f) {}
-  __device__ float operator()(float qk) const { return qk * scale_log2; }
+  static constexpr bool kIdentity = true;
+  float log2_scale;  // scale * log2(e)
+  __host__ __device__ explicit PlainLogits(const PrefillParams& p)
+      : log2_scale(p.scale * 1.4426950408889634f) {}
+  __device__ float operator()(float qk) const { return qk; }
 };
 struct SoftCappedLogits {
-  float pre, post;  // cap * tanh(qk * scale / cap), then to log2 units
+  static constexpr bool kIdentity = false;
+  float pre, cap, log2_scale;  // x = cap * tanh(qk * scale / cap), already scaled
   __host__ __device__ explicit SoftCappedLogits(const PrefillParams& p)
-      : pre(p.scale / p.soft_cap), post(p.soft_cap * 1.4426950408889634f) {}
-  __device__ float operator()(float qk) const { return post * tanhf(qk * pre); }
+      : pre(p.scale / p.soft_cap), cap(p.soft_cap), log2_scale(1.4426950408889634f) {}
+  __device__ float operator()(float qk) const { return cap * tanhf(qk * pre); }
 };
+
+// 2^x with the hardware approximation (2 ulp; subnormal results flush to 0, which only ever
+// affects probabilities below 2^-126).
+__device__ inline float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 template <int kHeadDim>
 struct PrefillConfig {
@@ -38,10 +50,14 @@ struct PrefillConfig {
   // Query rows per warp, in m16 tiles. Two (32 rows, as FA2) reuse each K/V fragment read from
   // shared memory for twice the math; at hd256 the 256 O accumulators of 32 rows do not fit the
   // register file, so one.
-  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kMTiles = 1;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;  // query rows per CTA
   static constexpr int kBlockN = 64;                     // keys per K/V tile
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+  // CTAs per SM the register budget is sized for (65536 / (128 x CTAs) registers per thread).
+  // Left alone, ptxas hoists every ldmatrix of a fully unrolled tile and takes 218 registers at
+  // hd128 (2 CTAs per SM).
+  static constexpr int kMinBlocksPerSM = kHeadDim <= 64 ? 3 : 2;
 };
 
 // The band of keys a query row may see: [key_begin(i), key_end(i)).
@@ -80,7 +96,8 @@ __device__ void load_tile_async(const SwizzledTile<T, kRows, kHeadDim>& tile, co
 }
 
 template <typename T, int kHeadDim, typename Logits>
-__global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
+__global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
+                                  PrefillConfig<kHeadDim>::kMinBlocksPerSM)
     prefill_sm80_kernel(const PrefillParams p) {
   using Config = PrefillConfig<kHeadDim>;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
@@ -172,19 +189,30 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
       }
     }
 
-    // Logits in log2 units; keys outside the band (or past kv_len) at -inf.
+    // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
+    // pay for the per-element test.
+    if constexpr (!Logits::kIdentity) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][j][e] = logits(s[mt][j][e]);
+    }
     const bool needs_mask = n0 + kBlockN > kv_len ||
                             (p.causal && n0 + kBlockN - 1 > m0 + band.offset) ||
                             (p.window_left >= 0 && n0 < last_row + band.offset - p.window_left);
+    if (needs_mask) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
+        for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n0 + j * 8 + 2 * t + (e & 1);
-          const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
-          s[mt][j][e] = (!needs_mask || band.visible(row, key)) ? logits(s[mt][j][e]) : -INFINITY;
+          for (int e = 0; e < 4; ++e) {
+            const int key = n0 + j * 8 + 2 * t + (e & 1);
+            const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
+            if (!band.visible(row, key)) s[mt][j][e] = -INFINITY;
+          }
         }
       }
     }
@@ -199,15 +227,18 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
         for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const float m_safe = m == -INFINITY ? 0.f : m;  // a row with nothing visible yet
-        const float rescale = exp2f(row_max[mt][r] - m_safe);
+        // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
+        const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
+        const float rescale = exp2_approx(row_max[mt][r] * logits.log2_scale - m_scaled);
         row_max[mt][r] = m;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
-          s[mt][j][2 * r] = exp2f(s[mt][j][2 * r] - m_safe);
-          s[mt][j][2 * r + 1] = exp2f(s[mt][j][2 * r + 1] - m_safe);
-          sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[mt][j][e] = exp2_approx(fmaf(s[mt][j][e], logits.log2_scale, -m_scaled));
+            sum += s[mt][j][e];
+          }
         }
         row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
 #pragma unroll
@@ -251,7 +282,7 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
   }
   cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
 
-  // Epilogue: O / l, LSE = (max + log2 l) * ln 2; rows that saw no key give 0 and -inf.
+  // Epilogue: O / l, LSE = (max * log2_scale + log2 l) * ln 2; rows that saw no key give 0 and -inf.
   T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -272,7 +303,8 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads)
       }
       if (p.lse != nullptr && t == 0) {
         p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
-            empty ? -INFINITY : (row_max[mt][r] + log2f(l)) * 0.6931471805599453f;
+            empty ? -INFINITY
+                  : (row_max[mt][r] * logits.log2_scale + log2f(l)) * 0.6931471805599453f;
       }
     }
   }
