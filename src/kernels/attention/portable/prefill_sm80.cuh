@@ -1,7 +1,7 @@
 // Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA of 4 warps owns 128
-// query rows (64 at hd256) of one (request, query head); each warp owns 32 rows (16) and keeps its O accumulators and
-// softmax statistics in registers while the CTA streams K and V tiles of 64 keys through shared
-// memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P never leaves
+// query rows at hd64 (64 at hd128/256) of one (request, query head); each warp owns 32 (16) rows
+// and keeps its O accumulators and softmax statistics in registers while the CTA streams K and V
+// tiles of 64 keys (32 at hd256) through shared memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P never leaves
 // registers: the S accumulators are re-packed as the A operand of the P V product.
 // Loads overlap compute as in FA2: V(j) loads while S(j) is computed, K(j+1) while O += P V(j).
 // KV tiles wholly outside the mask band are never visited; only tiles that cross its edge are
@@ -43,21 +43,20 @@ __device__ inline float exp2_approx(float x) {
   return y;
 }
 
+// Tile shapes by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden 2048; see
+// notes/prefill_portable.md): 32 rows per warp beat 16 at hd64 (304 vs 273 TFLOP/s) but spill at
+// hd128 (206 vs 220 before the softmax rewrite); 32-key tiles beat 64 at hd256 (275 vs 249);
+// capping hd128 at 3 CTAs/SM (168 registers) lost 5%.
 template <int kHeadDim>
 struct PrefillConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  // Query rows per warp, in m16 tiles. Two (32 rows, as FA2) reuse each K/V fragment read from
-  // shared memory for twice the math; at hd256 the 256 O accumulators of 32 rows do not fit the
-  // register file, so one.
-  static constexpr int kMTiles = 1;
-  static constexpr int kBlockM = 16 * kMTiles * kWarps;  // query rows per CTA
-  static constexpr int kBlockN = 64;                     // keys per K/V tile
+  static constexpr int kMTiles = kHeadDim == 64 ? 2 : 1;   // m16 row tiles per warp
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;    // query rows per CTA
+  static constexpr int kBlockN = kHeadDim == 256 ? 32 : 64;  // keys per K/V tile
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
   // CTAs per SM the register budget is sized for (65536 / (128 x CTAs) registers per thread).
-  // Left alone, ptxas hoists every ldmatrix of a fully unrolled tile and takes 218 registers at
-  // hd128 (2 CTAs per SM).
-  static constexpr int kMinBlocksPerSM = kHeadDim <= 64 ? 3 : 2;
+  static constexpr int kMinBlocksPerSM = 2;
 };
 
 // The band of keys a query row may see: [key_begin(i), key_end(i)).
