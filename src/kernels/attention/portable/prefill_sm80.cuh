@@ -1,5 +1,5 @@
 // Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA of 4 warps owns 128
-// query rows at hd64 (64 at hd128/256) of one (request, query head); each warp owns 32 (16) rows
+// query rows (64 at hd256) of one (request, query head); each warp owns 32 (16) rows
 // and keeps its O accumulators and softmax statistics in registers while the CTA streams K and V
 // tiles of 64 keys (32 at hd256) through shared memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P never leaves
 // registers: the S accumulators are re-packed as the A operand of the P V product.
@@ -44,14 +44,14 @@ __device__ inline float exp2_approx(float x) {
 }
 
 // Tile shapes by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden 2048; see
-// notes/prefill_portable.md): 32 rows per warp beat 16 at hd64 (304 vs 273 TFLOP/s) but spill at
-// hd128 (206 vs 220 before the softmax rewrite); 32-key tiles beat 64 at hd256 (275 vs 249);
-// capping hd128 at 3 CTAs/SM (168 registers) lost 5%.
+// notes/prefill_portable.md): 32 rows per warp beat 16 at hd64 (304 vs 273 TFLOP/s) and at hd128
+// (316 vs 285 non-causal, equal causal, despite 136 bytes of spills); 32-key tiles beat 64 at
+// hd256 (275 vs 249) but lose at hd128 (229 vs 285); capping registers for 3 CTAs/SM lost 5-10%.
 template <int kHeadDim>
 struct PrefillConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMTiles = kHeadDim == 64 ? 2 : 1;   // m16 row tiles per warp
+  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 row tiles per warp
   static constexpr int kBlockM = 16 * kMTiles * kWarps;    // query rows per CTA
   static constexpr int kBlockN = kHeadDim == 256 ? 32 : 64;  // keys per K/V tile
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
