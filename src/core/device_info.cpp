@@ -13,8 +13,12 @@ const char* kernel_path_name(KernelPath path) {
   return "unknown";
 }
 
+// Whether this build holds the Hopper (sm_90a) kernel family. Until it does, sm_90 GPUs run the
+// portable family, and `tessera info` says so rather than promising a path that is not there.
+constexpr bool kHopperFamilyBuilt = false;
+
 KernelPath kernel_path_for(int cc_major, int cc_minor) {
-  if (cc_major == 9 && cc_minor == 0) return KernelPath::kHopperSm90a;
+  if (kHopperFamilyBuilt && cc_major == 9 && cc_minor == 0) return KernelPath::kHopperSm90a;
   if (cc_major >= 8) return KernelPath::kPortableSm80;
   return KernelPath::kNone;
 }
