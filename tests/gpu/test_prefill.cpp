@@ -57,6 +57,12 @@ struct Ragged16 {  // a ragged [rows, heads, dim] tensor with padded rows, on ho
 
 void run_case(const PrefillCase& c, uint32_t seed) {
   SCOPED_TRACE(describe(c));
+  // A narrowed build (TESSERA_HEAD_DIMS / TESSERA_DTYPES) tests only what it compiled.
+  const auto dims = dispatch::compiled_prefill_head_dims();
+  if (std::find(dims.begin(), dims.end(), c.head_dim) == dims.end() ||
+      !dispatch::prefill_dtype_compiled(c.dtype)) {
+    GTEST_SKIP() << describe(c) << ": not compiled in this build";
+  }
   std::mt19937 rng(seed);
   const int B = static_cast<int>(c.qo_len.size());
   std::vector<int32_t> qo_indptr{0}, kv_indptr{0};
