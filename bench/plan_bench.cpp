@@ -1,0 +1,79 @@
+// CPU cost of DecodePlanner::plan for a serving step (the target: < 20 us for 256
+// requests). Prints one JSON object per case. No GPU needed: the planner is pure C++.
+//   tessera_plan_bench [iterations]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "plan/decode_plan.h"
+
+using namespace tessera;
+
+namespace {
+
+struct PageTable {
+  std::vector<int32_t> indptr{0}, indices, last, qo{0};
+};
+
+PageTable make(const std::vector<int64_t>& kv_len, int32_t page) {
+  PageTable t;
+  for (int64_t len : kv_len) {
+    const int32_t pages = static_cast<int32_t>((len + page - 1) / page);
+    for (int32_t p = 0; p < pages; ++p) t.indices.push_back(static_cast<int32_t>(t.indices.size()));
+    t.indptr.push_back(t.indptr.back() + pages);
+    t.last.push_back(pages ? static_cast<int32_t>(len - int64_t(pages - 1) * page) : 0);
+    t.qo.push_back(t.qo.back() + 1);
+  }
+  return t;
+}
+
+void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int iterations) {
+  const PageTable t = make(kv_len, page);
+  plan::PlanCapacity cap;
+  cap.max_batch_size = 256;
+  cap.max_qo_len = 1;
+  cap.num_qo_heads = 32;
+  cap.num_kv_heads = 8;
+  cap.head_dim = 128;
+  cap.num_sms = 132;
+  cap.ctas_per_sm = 4;
+  plan::DecodePlanner planner(cap);
+  const auto bsr = format::bsr_from_page_table(page, static_cast<int32_t>(kv_len.size()),
+                                               t.indptr.data(), t.indices.data(), t.last.data());
+  std::vector<double> us(iterations);
+  size_t items = 0;
+  for (int i = 0; i < iterations; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const plan::Plan& p = planner.plan(bsr, t.qo.data());
+    const auto t1 = std::chrono::steady_clock::now();
+    items = p.work.size();
+    us[i] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+  }
+  std::nth_element(us.begin(), us.begin() + iterations / 2, us.end());
+  const double median = us[iterations / 2];
+  std::printf("{\"suite\": \"plan\", \"case\": \"%s\", \"metric\": \"us\", \"tessera\": %.3f, "
+              "\"work_items\": %zu, \"requests\": %zu}\n", name, median, items, kv_len.size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
+  std::mt19937 rng(1);
+  // Zipf-like lengths: a few long requests, many short ones.
+  std::vector<int64_t> zipf(256);
+  for (size_t i = 0; i < zipf.size(); ++i) {
+    zipf[i] = std::max<int64_t>(1, static_cast<int64_t>(32768.0 / std::pow(double(i + 1), 1.1)));
+  }
+  std::shuffle(zipf.begin(), zipf.end(), rng);
+  run("b256_zipf_p16", zipf, 16, iterations);
+  run("b256_kv2048_p16", std::vector<int64_t>(256, 2048), 16, iterations);
+  run("b256_kv2048_p1", std::vector<int64_t>(256, 2048), 1, iterations);
+  run("b1_kv32768_p16", {32768}, 16, iterations);
+  return 0;
+}

@@ -1,0 +1,34 @@
+#include "format/bsr.h"
+
+namespace tessera::format {
+
+std::string check_bsr(const BsrLayout& b, int64_t num_blocks) {
+  if (b.block_size < 1) return "block_size (page_size) must be >= 1, got " + std::to_string(b.block_size);
+  if (b.num_rows < 0) return "batch size must be >= 0";
+  if (b.indptr == nullptr) return "kv_indptr: host copy is required";
+  if (b.indptr[0] != 0) return "kv_indptr: must start at 0, got " + std::to_string(b.indptr[0]);
+  for (int32_t r = 0; r < b.num_rows; ++r) {
+    if (b.indptr[r + 1] < b.indptr[r]) {
+      return "kv_indptr: must be non-decreasing, entry " + std::to_string(r + 1) + " (" +
+             std::to_string(b.indptr[r + 1]) + ") < entry " + std::to_string(r) + " (" +
+             std::to_string(b.indptr[r]) + ")";
+    }
+    if (b.last_block_len != nullptr && b.row_blocks(r) > 0 &&
+        (b.last_block_len[r] < 1 || b.last_block_len[r] > b.block_size)) {
+      return "kv_last_page_len: value " + std::to_string(b.last_block_len[r]) + " at index " +
+             std::to_string(r) + " is outside 1.." + std::to_string(b.block_size);
+    }
+  }
+  if (num_blocks >= 0 && b.indices != nullptr) {
+    for (int32_t i = 0; i < b.indptr[b.num_rows]; ++i) {
+      if (b.indices[i] < 0 || b.indices[i] >= num_blocks) {
+        return "kv_indices: page id " + std::to_string(b.indices[i]) + " at index " +
+               std::to_string(i) + " is outside the cache's " + std::to_string(num_blocks) +
+               " pages";
+      }
+    }
+  }
+  return {};
+}
+
+}  // namespace tessera::format

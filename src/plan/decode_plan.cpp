@@ -1,0 +1,143 @@
+#include "plan/decode_plan.h"
+
+#include <algorithm>
+#include <climits>
+#include <numeric>
+#include <string>
+
+#include "tessera/error.h"
+
+namespace tessera::plan {
+namespace {
+
+[[noreturn]] void fail(const char* arg, const std::string& rule) {
+  throw Error(std::string("tessera::DecodePlanner: argument '") + arg + "': " + rule);
+}
+
+}  // namespace
+
+DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy)
+    : cap_(capacity), policy_(policy) {
+  if (cap_.max_batch_size < 1) fail("max_batch_size", "must be >= 1");
+  if (cap_.max_qo_len < 1) fail("max_qo_len", "must be >= 1");
+  if (cap_.num_kv_heads < 1 || cap_.num_qo_heads < 1 || cap_.num_qo_heads % cap_.num_kv_heads != 0) {
+    fail("num_qo_heads", "must be a positive multiple of num_kv_heads (" +
+                             std::to_string(cap_.num_qo_heads) + " / " +
+                             std::to_string(cap_.num_kv_heads) + ")");
+  }
+  if (cap_.num_sms < 1 || cap_.ctas_per_sm < 1) fail("num_sms", "num_sms and ctas_per_sm must be >= 1");
+  if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1) {
+    fail("policy", "min_chunk_tokens and granularity must be >= 1");
+  }
+  group_ = cap_.num_qo_heads / cap_.num_kv_heads;
+  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
+  // Unsplit, the list has batch x kv_heads items; split, at most one wave.
+  max_work_ = std::max(wave, cap_.max_batch_size * cap_.num_kv_heads);
+  max_slots_ = wave;
+  plan_.work.reserve(max_work_);
+  plan_.merges.reserve(max_slots_);
+  plan_.slot_row_offset.reserve(max_slots_ + 1);
+  keys_.reserve(cap_.max_batch_size);
+  kv_len_.reserve(cap_.max_batch_size);
+}
+
+int64_t DecodePlanner::max_partial_rows() const {
+  return int64_t(max_slots_) * cap_.max_qo_len * group_;
+}
+
+std::size_t DecodePlanner::workspace_bytes() const {
+  const std::size_t partials = std::size_t(max_partial_rows()) * (std::size_t(cap_.head_dim) + 1) * 4;
+  const std::size_t arrays = std::size_t(max_work_) * sizeof(WorkItem) +
+                             std::size_t(max_slots_) * sizeof(MergeRow) +
+                             std::size_t(max_slots_ + 1) * sizeof(int64_t);
+  return partials + arrays;
+}
+
+int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {
+  int64_t items = 0;
+  for (int64_t len : kv_len_) items += len <= chunk ? 1 : (len + chunk - 1) / chunk;
+  return items * cap_.num_kv_heads;
+}
+
+const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_indptr) {
+  const int32_t batch = kv.num_rows;
+  if (batch > cap_.max_batch_size) {
+    fail("kv_indptr", "batch size " + std::to_string(batch) + " exceeds the planner's max_batch_size " +
+                          std::to_string(cap_.max_batch_size));
+  }
+  if (qo_indptr == nullptr) fail("qo_indptr", "host copy is required");
+  const std::string bad = format::check_bsr(kv, -1);
+  if (!bad.empty()) fail("kv_indptr", bad);
+
+  kv_len_.clear();
+  int64_t longest = 0;
+  for (int32_t r = 0; r < batch; ++r) {
+    const int32_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
+    if (qo_len < 0 || qo_len > cap_.max_qo_len) {
+      fail("qo_indptr", "request " + std::to_string(r) + " has " + std::to_string(qo_len) +
+                            " query tokens; the planner allows 0.." + std::to_string(cap_.max_qo_len));
+    }
+    kv_len_.push_back(kv.row_tokens(r));
+    if (kv_len_.back() > INT32_MAX) {
+      fail("kv_indptr", "request " + std::to_string(r) + " holds more than 2^31 - 1 tokens");
+    }
+    longest = std::max(longest, kv_len_.back());
+  }
+
+  // The chunk length: the smallest multiple of the granularity, at least min_chunk_tokens, whose
+  // work list fits one wave. items_for_chunk() never grows with the chunk, so binary search over
+  // granules; nothing splits when even the unsplit list overfills the wave.
+  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
+  const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
+  const int64_t hi_granules = std::max<int64_t>(1, (longest + gran - 1) / gran);
+  int64_t lo = std::min(hi_granules, (int64_t(policy_.min_chunk_tokens) + gran - 1) / gran);
+  int64_t hi = hi_granules;
+  if (items_for_chunk(hi * gran) <= wave) {
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (items_for_chunk(mid * gran) <= wave) hi = mid; else lo = mid + 1;
+    }
+  }
+  const int64_t chunk = hi * gran;
+  const bool any_split = chunk < longest;
+
+  // Longest first; ties by request id. One packed key per request keeps the sort to plain
+  // integer compares (kv_len < 2^31 tokens).
+  keys_.clear();
+  for (int32_t r = 0; r < batch; ++r) {
+    keys_.push_back((int64_t(INT32_MAX) - kv_len_[r]) << 32 | r);
+  }
+  if (!std::is_sorted(keys_.begin(), keys_.end())) std::sort(keys_.begin(), keys_.end());
+
+  // Emit into the reserved buffers without reallocation.
+  const int64_t num_items = items_for_chunk(chunk);
+  plan_.work.resize(num_items);
+  plan_.merges.clear();
+  plan_.slot_row_offset.assign(1, 0);
+  plan_.chunk_tokens = any_split ? static_cast<int32_t>(chunk) : 0;
+  plan_.wave_ctas = wave;
+  WorkItem* out = plan_.work.data();
+  for (int64_t key : keys_) {
+    const int32_t r = static_cast<int32_t>(key & 0xffffffff);
+    const int32_t len = static_cast<int32_t>(kv_len_[r]);
+    if (len <= chunk) {
+      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1};
+      continue;
+    }
+    const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
+    const int32_t chunks = static_cast<int32_t>((len + chunk - 1) / chunk);
+    for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
+      const int32_t first_slot = plan_.num_slots();
+      for (int32_t c = 0; c < chunks; ++c) {
+        const int32_t begin = static_cast<int32_t>(c * chunk);
+        const int32_t end = static_cast<int32_t>(std::min<int64_t>(begin + chunk, len));
+        *out++ = {r, h, begin, end, first_slot + c};
+        plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
+      }
+      plan_.merges.push_back({r, h, first_slot, chunks});
+    }
+  }
+  return plan_;
+}
+
+}  // namespace tessera::plan

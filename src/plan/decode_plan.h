@@ -1,0 +1,95 @@
+// The decode planner: once per serving step, on the CPU, it turns the batch description (query
+// lengths, the page table as a BSR view, the head configuration) into the work list that every
+// layer's decode kernel runs: which CTA reads which (request, KV head, token range), where split
+// chunks park their partial states, and which partials each (request, KV head) merges.
+//
+// Split-KV (flash-decoding) comes from a cost model: the cost of a work item is the KV tokens it
+// reads. The planner picks the smallest chunk length (a multiple of the page-aligned granularity,
+// at least min_chunk_tokens) whose work list still fits one wave of CTAs (num_sms x ctas_per_sm);
+// when even unsplit requests overfill the wave, nothing is split. Requests no longer than the
+// chunk write their output directly; longer ones are split into chunks merged afterwards. Work is
+// ordered longest first (ties by request, then head) so the tail of the wave is short.
+//
+// Deterministic, allocation-free after construction (every buffer is sized from PlanCapacity, so
+// the device copy of the plan has fixed addresses for CUDA-graph replay), pure C++.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "format/bsr.h"
+
+namespace tessera::plan {
+
+// Fixed at creation; a step that exceeds it is rejected with tessera::Error.
+struct PlanCapacity {
+  int32_t max_batch_size = 0;
+  int32_t max_qo_len = 1;   // query tokens per request: 1 for decode, up to 8 for verification
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t num_sms = 0;      // of the GPU the plan runs on
+  int32_t ctas_per_sm = 1;  // resident CTAs of the decode kernel per SM
+};
+
+struct SplitPolicy {
+  int32_t min_chunk_tokens = 256;  // a split never makes chunks shorter than this
+  int32_t granularity = 16;        // chunk lengths are multiples of lcm(page_size, granularity)
+};
+
+struct WorkItem {  // one CTA: one request's query rows for one KV head over a token range
+  int32_t request;
+  int32_t kv_head;
+  int32_t kv_begin;      // tokens [kv_begin, kv_end) of the request's KV
+  int32_t kv_end;
+  int32_t partial_slot;  // -1: writes O / LSE directly; else its partial-state slot
+};
+
+struct MergeRow {  // one (request, KV head) whose chunk partials are merged into O / LSE
+  int32_t request;
+  int32_t kv_head;
+  int32_t first_slot;
+  int32_t num_slots;
+};
+
+struct Plan {
+  std::vector<WorkItem> work;             // launch order
+  std::vector<MergeRow> merges;
+  std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
+  int32_t chunk_tokens = 0;               // chosen chunk length; 0 when nothing is split
+  int32_t wave_ctas = 0;                  // num_sms x ctas_per_sm the plan was balanced for
+
+  int32_t num_slots() const { return static_cast<int32_t>(slot_row_offset.size()) - 1; }
+  int64_t partial_rows() const { return slot_row_offset.back(); }
+};
+
+class DecodePlanner {
+ public:
+  explicit DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy = {});
+
+  // Plans one step. kv: the page table's BSR view (host); qo_indptr: host [batch + 1]. The result
+  // stays valid until the next call.
+  const Plan& plan(const format::BsrLayout& kv, const int32_t* qo_indptr);
+
+  // Upper bounds implied by the capacity: what the device workspace must hold.
+  int32_t max_work_items() const { return max_work_; }
+  int32_t max_slots() const { return max_slots_; }
+  int64_t max_partial_rows() const;
+  // Bytes of device workspace for the largest plan: fp32 partial O and LSE plus the plan arrays.
+  std::size_t workspace_bytes() const;
+
+ private:
+  int64_t items_for_chunk(int64_t chunk) const;
+
+  PlanCapacity cap_;
+  SplitPolicy policy_;
+  int32_t group_ = 1;
+  int32_t max_work_ = 0;
+  int32_t max_slots_ = 0;
+  Plan plan_;
+  std::vector<int64_t> keys_;     // (INT32_MAX - kv_len) << 32 | request: longest first
+  std::vector<int64_t> kv_len_;   // per request, this step
+};
+
+}  // namespace tessera::plan

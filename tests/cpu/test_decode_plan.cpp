@@ -1,0 +1,237 @@
+// The decode planner and the BSR view of the page table: coverage, balance, merge map,
+// determinism, capacity errors. Pure CPU.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "format/bsr.h"
+#include "plan/decode_plan.h"
+#include "tessera/error.h"
+
+namespace tessera::plan {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A page table for the given KV lengths (pages handed out in order).
+struct Batch {
+  int32_t page_size;
+  std::vector<int32_t> kv_indptr{0}, kv_indices, last, qo_indptr{0};
+  Batch(int32_t page, const std::vector<int64_t>& kv_len, int32_t qo_len = 1) : page_size(page) {
+    for (int64_t len : kv_len) {
+      const int32_t pages = static_cast<int32_t>((len + page - 1) / page);
+      for (int32_t p = 0; p < pages; ++p) kv_indices.push_back(static_cast<int32_t>(kv_indices.size()));
+      kv_indptr.push_back(kv_indptr.back() + pages);
+      last.push_back(pages == 0 ? 0 : static_cast<int32_t>(len - int64_t(pages - 1) * page));
+      qo_indptr.push_back(qo_indptr.back() + qo_len);
+    }
+  }
+  format::BsrLayout bsr() const {
+    return format::bsr_from_page_table(page_size, static_cast<int32_t>(last.size()), kv_indptr.data(),
+                                       kv_indices.data(), last.data());
+  }
+};
+
+PlanCapacity h200_decode(int32_t max_batch, int32_t max_qo_len = 1) {
+  PlanCapacity c;
+  c.max_batch_size = max_batch;
+  c.max_qo_len = max_qo_len;
+  c.num_qo_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.num_sms = 132;
+  c.ctas_per_sm = 4;
+  return c;
+}
+
+// Every (request, head) is covered once: [0, kv_len) in ascending chunks of at most chunk_tokens,
+// split ones through their merge row's slots; the list fits the wave when anything is split.
+void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
+  const int32_t batch = static_cast<int32_t>(b.last.size());
+  const int32_t group = cap.num_qo_heads / cap.num_kv_heads;
+  const format::BsrLayout kv = b.bsr();
+  std::vector<std::vector<const WorkItem*>> items(size_t(batch) * cap.num_kv_heads);
+  for (const WorkItem& w : plan.work) items[size_t(w.request) * cap.num_kv_heads + w.kv_head].push_back(&w);
+  int32_t merges_seen = 0;
+  for (int32_t r = 0; r < batch; ++r) {
+    for (int32_t h = 0; h < cap.num_kv_heads; ++h) {
+      const auto& list = items[size_t(r) * cap.num_kv_heads + h];
+      ASSERT_FALSE(list.empty()) << "request " << r << " head " << h << " has no work";
+      int64_t pos = 0;
+      for (const WorkItem* w : list) {
+        EXPECT_EQ(w->kv_begin, pos) << "request " << r << ": chunks must be contiguous";
+        EXPECT_GE(w->kv_end, w->kv_begin);
+        if (plan.chunk_tokens > 0) {
+          EXPECT_LE(w->kv_end - w->kv_begin, plan.chunk_tokens);
+          EXPECT_EQ(w->kv_begin % plan.chunk_tokens, 0);
+        }
+        pos = w->kv_end;
+      }
+      EXPECT_EQ(pos, kv.row_tokens(r)) << "request " << r << ": chunks must end at kv_len";
+      if (list.size() == 1) {
+        EXPECT_EQ(list[0]->partial_slot, -1) << "an unsplit request writes its output directly";
+        continue;
+      }
+      const auto m = std::find_if(plan.merges.begin(), plan.merges.end(),
+                                  [&](const MergeRow& mr) { return mr.request == r && mr.kv_head == h; });
+      ASSERT_NE(m, plan.merges.end()) << "split request " << r << " has no merge row";
+      ++merges_seen;
+      ASSERT_EQ(m->num_slots, static_cast<int32_t>(list.size()));
+      for (size_t i = 0; i < list.size(); ++i) {
+        EXPECT_EQ(list[i]->partial_slot, m->first_slot + static_cast<int32_t>(i));
+        const int64_t rows = plan.slot_row_offset[m->first_slot + i + 1] - plan.slot_row_offset[m->first_slot + i];
+        EXPECT_EQ(rows, int64_t(b.qo_indptr[r + 1] - b.qo_indptr[r]) * group);
+      }
+    }
+  }
+  EXPECT_EQ(merges_seen, static_cast<int32_t>(plan.merges.size()));
+  if (plan.chunk_tokens > 0) {
+    EXPECT_LE(static_cast<int32_t>(plan.work.size()), plan.wave_ctas) << "a split plan fits one wave";
+  }
+}
+
+TEST(DecodePlan, FullBatchIsNotSplit) {
+  const PlanCapacity cap = h200_decode(256);
+  DecodePlanner planner(cap);
+  Batch b(16, std::vector<int64_t>(64, 4096));  // 64 x 8 = 512 items <= 528 CTAs
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  check_plan(plan, b, cap);
+  EXPECT_EQ(plan.chunk_tokens, 0);
+  EXPECT_TRUE(plan.merges.empty());
+  EXPECT_EQ(plan.work.size(), 512u);
+}
+
+TEST(DecodePlan, SingleLongRequestIsSplitToFillTheWave) {
+  const PlanCapacity cap = h200_decode(256);
+  DecodePlanner planner(cap);
+  Batch b(16, {32768});
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  check_plan(plan, b, cap);
+  EXPECT_EQ(plan.chunk_tokens, 512);  // 8 heads x 64 chunks = 512 <= 528; 496 would give 544
+  EXPECT_EQ(plan.merges.size(), 8u);
+  EXPECT_EQ(plan.work.size(), 512u);
+}
+
+TEST(DecodePlan, ChunkIsTheSmallestThatFits) {
+  const PlanCapacity cap = h200_decode(256);
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int64_t> len(1, 20000);
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<int64_t> kv(1 + trial % 24);
+    for (auto& x : kv) x = len(rng);
+    Batch b(trial % 2 ? 16 : 1, kv);
+    DecodePlanner planner(cap);
+    const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+    check_plan(plan, b, cap);
+    if (plan.chunk_tokens > 256) {
+      // One granule less would overfill the wave.
+      const int64_t smaller = plan.chunk_tokens - 16;
+      int64_t items = 0;
+      for (int64_t x : kv) items += x <= smaller ? 1 : (x + smaller - 1) / smaller;
+      EXPECT_GT(items * cap.num_kv_heads, plan.wave_ctas) << "trial " << trial;
+    }
+  }
+}
+
+TEST(DecodePlan, SkewedBatchSplitsOnlyTheLongRequests) {
+  const PlanCapacity cap = h200_decode(256);
+  DecodePlanner planner(cap);
+  std::vector<int64_t> kv(40, 300);
+  kv[7] = 30000;  // Zipf-like: one long request among short ones
+  Batch b(16, kv);
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  check_plan(plan, b, cap);
+  ASSERT_GT(plan.chunk_tokens, 0);
+  for (const MergeRow& m : plan.merges) EXPECT_EQ(m.request, 7);
+  EXPECT_EQ(plan.work.front().request, 7) << "longest first";
+}
+
+TEST(DecodePlan, PageSizeSetsTheGranularityAndEmptyRequestsGetOneItem) {
+  const PlanCapacity cap = h200_decode(256);
+  for (int32_t page : {1, 16, 64, 256}) {
+    DecodePlanner planner(cap);
+    Batch b(page, {0, 16385, 54, 1});
+    const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+    check_plan(plan, b, cap);
+    if (plan.chunk_tokens > 0) EXPECT_EQ(plan.chunk_tokens % std::max(page, 16), 0) << page;
+    for (const WorkItem& w : plan.work) {
+      if (w.request == 0) EXPECT_EQ(w.kv_end, 0);
+    }
+  }
+}
+
+TEST(DecodePlan, MultiTokenQueriesSizePartialRows) {
+  const PlanCapacity cap = h200_decode(16, 8);
+  DecodePlanner planner(cap);
+  Batch b(16, {20000, 100}, 5);
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  check_plan(plan, b, cap);
+  EXPECT_LE(plan.partial_rows(), planner.max_partial_rows());
+  EXPECT_GE(planner.workspace_bytes(), size_t(plan.partial_rows()) * (128 + 1) * 4);
+}
+
+TEST(DecodePlan, DeterministicAndReusable) {
+  const PlanCapacity cap = h200_decode(64);
+  DecodePlanner a(cap), b(cap);
+  Batch x(16, {5000, 1, 7000, 300, 0, 12345});
+  Batch y(16, {100, 200});
+  const Plan& pa = a.plan(x.bsr(), x.qo_indptr.data());
+  const std::vector<WorkItem> first(pa.work);
+  a.plan(y.bsr(), y.qo_indptr.data());  // a different step in between
+  const Plan& again = a.plan(x.bsr(), x.qo_indptr.data());
+  const Plan& pb = b.plan(x.bsr(), x.qo_indptr.data());
+  ASSERT_EQ(again.work.size(), first.size());
+  ASSERT_EQ(pb.work.size(), first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_EQ(std::memcmp(&again.work[i], &first[i], sizeof(WorkItem)), 0);
+    EXPECT_EQ(std::memcmp(&pb.work[i], &first[i], sizeof(WorkItem)), 0);
+  }
+}
+
+TEST(DecodePlan, CapacityAndInputErrors) {
+  DecodePlanner planner(h200_decode(2, 1));
+  Batch big(16, {10, 10, 10});
+  try {
+    planner.plan(big.bsr(), big.qo_indptr.data());
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'kv_indptr'"));
+    EXPECT_THAT(e.what(), HasSubstr("exceeds the planner's max_batch_size 2"));
+  }
+  Batch multi(16, {10}, 2);
+  EXPECT_THROW(planner.plan(multi.bsr(), multi.qo_indptr.data()), Error);
+  Batch bad(16, {10, 20});
+  bad.last[1] = 17;
+  try {
+    planner.plan(bad.bsr(), bad.qo_indptr.data());
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("kv_last_page_len: value 17 at index 1 is outside 1..16"));
+  }
+  PlanCapacity gqa = h200_decode(4);
+  gqa.num_kv_heads = 5;
+  EXPECT_THROW(DecodePlanner{gqa}, Error);
+}
+
+TEST(BsrLayout, PageTableViewAndChecks) {
+  Batch b(16, {0, 1, 16, 17, 54});
+  const format::BsrLayout kv = b.bsr();
+  EXPECT_EQ(kv.row_tokens(0), 0);
+  EXPECT_EQ(kv.row_tokens(1), 1);
+  EXPECT_EQ(kv.row_tokens(2), 16);
+  EXPECT_EQ(kv.row_tokens(3), 17);
+  EXPECT_EQ(kv.row_tokens(4), 54);
+  EXPECT_EQ(format::check_bsr(kv, static_cast<int64_t>(b.kv_indices.size())), "");
+  EXPECT_THAT(format::check_bsr(kv, 3), HasSubstr("kv_indices: page id 3"));
+  Batch c = b;
+  c.kv_indptr[2] = 5;  // entry 3 (2) now falls below entry 2
+  EXPECT_THAT(format::check_bsr(c.bsr(), -1), HasSubstr("non-decreasing"));
+}
+
+}  // namespace
+}  // namespace tessera::plan
