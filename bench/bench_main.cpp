@@ -63,6 +63,7 @@ int bench_append(const Args& a) {
   const size_t row = size_t(H) * D * 2;
   Buffer kp(size_t(num_pages) * P * row), vp(size_t(num_pages) * P * row);
   std::vector<std::unique_ptr<Buffer>> kn, vn, idx;
+  std::vector<std::vector<int32_t>> host_ids;
   std::vector<int32_t> indptr{0}, last, app{0};
   for (int i = 0; i < batch; ++i) {
     indptr.push_back(indptr.back() + pages_per_req);
@@ -83,6 +84,7 @@ int bench_append(const Args& a) {
     for (int p = 0; p < pages_per_rot; ++p) ids[p] = p * rot + r;
     idx.push_back(std::make_unique<Buffer>(ids.size() * 4));
     cuda_ok(cudaMemcpy(idx.back()->get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
+    host_ids.push_back(std::move(ids));
   }
   PagedKVCache cache;
   cache.layout = layout;
@@ -96,8 +98,12 @@ int bench_append(const Args& a) {
     t.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
     t.indices = TensorView::contiguous(idx[r]->get(), DType::kInt32, {pages_per_rot});
     t.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
+    t.host_indptr = indptr.data();
+    t.host_indices = host_ids[r].data();
+    t.host_last_page_len = last.data();
     append_paged_kv(cache, t, append, TensorView::contiguous(kn[r]->get(), DType::kBF16, {nnz, H, D}),
-                    TensorView::contiguous(vn[r]->get(), DType::kBF16, {nnz, H, D}), nullptr);
+                    TensorView::contiguous(vn[r]->get(), DType::kBF16, {nnz, H, D}), nullptr,
+                    app.data());
   });
   print_record("append", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3,
                ", \"rotations\": " + std::to_string(rot));

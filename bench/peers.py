@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time PyTorch peers (cuDNN / FlashAttention-2 / FlexAttention SDPA, torch._grouped_mm, plain torch
 ops) and ceilings (copy, read, dense GEMM) on the cases in bench/cases/*.json, and write them in the
-results format shared with tessera's C++ benchmark (see bench/README or PERF.md):
+results format shared with tessera's C++ benchmark (see docs/CONVENTIONS.md):
 
   {"commit", "gpu", "date", "records": [{"suite", "case", "metric", "tessera", "peers", "ceiling",
                                          "params", "notes"}]}

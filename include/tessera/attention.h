@@ -33,12 +33,13 @@ struct PrefillArgs {
   TensorView lse;             // optional
   bool causal = false;        // bottom-right aligned: row i sees keys j <= i + kv_len - qo_len
   int window_left = -1;       // >= 0: also requires j >= i + kv_len - qo_len - window_left
-  float scale = 0.f;          // <= 0: 1 / sqrt(head_dim)
+  float scale = 0.f;          // 0: 1 / sqrt(head_dim); otherwise finite and > 0
   float soft_cap = 0.f;       // > 0: logits = soft_cap * tanh(scale * q.k / soft_cap)
   AttentionPath path = AttentionPath::kAuto;
 };
 
-// Asynchronous on `stream`; holds no memory beyond o and lse.
+// Outputs (o, lse) must not overlap each other or the inputs. Asynchronous on `stream`; holds no
+// memory beyond o and lse.
 void batch_prefill(const PrefillArgs& args, cudaStream_t stream);
 
 // The family kAuto picks for this problem on the current GPU (without running anything).

@@ -30,9 +30,10 @@ struct PagedKVCache {
   int64_t head_dim() const { return k_pages.size(3); }
 };
 
-// Device-resident page table (int32 tensors) read by kernels. The optional host mirrors hold the
-// same values in host memory; when given, entry points check their contents (monotone indptr,
-// page ids inside the cache, last_page_len in 1..page_size) before launching anything.
+// Device-resident page table (int32 tensors) read by kernels, with host copies of the same values
+// (an engine builds the table on the host anyway). Entry points that write through the table
+// require the host copies and check every index the kernel will follow (monotone indptr, page ids
+// inside the cache, last_page_len in 1..page_size) before launching anything.
 struct PageTable {
   TensorView indptr;         // [batch + 1]
   TensorView indices;        // [indptr[batch]]
@@ -49,12 +50,14 @@ struct PageTable {
 // ([nnz, num_kv_heads, head_dim], same dtype as the pages, head_dim contiguous).
 // The page table already describes the cache *after* the append (the engine allocates pages first,
 // as in FlashInfer): request i's new rows go to positions kv_len_i - n_i .. kv_len_i - 1, so its
-// current length before the call is kv_len_i - n_i. `host_append_indptr` optionally mirrors
-// append_indptr for the host-side checks (n_i <= kv_len_i, rows inside k_new).
+// current length before the call is kv_len_i - n_i. The host copies (table.host_* and
+// host_append_indptr) are required: n_i <= kv_len_i, rows inside k_new, page ids inside the cache,
+// and no page receiving rows from two places are checked on them. Outputs (the pages) must not
+// overlap each other or the inputs.
 // Asynchronous on `stream`; never synchronizes.
 void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
                      const TensorView& append_indptr, const TensorView& k_new,
                      const TensorView& v_new, cudaStream_t stream,
-                     const int32_t* host_append_indptr = nullptr);
+                     const int32_t* host_append_indptr);
 
 }  // namespace tessera

@@ -9,6 +9,8 @@
 #include "tessera/attention.h"
 #include "tessera/device_info.h"
 
+#include <cuda_runtime_api.h>
+
 namespace tessera {
 namespace {
 
@@ -37,10 +39,17 @@ void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
                   "shape " + detail::shape_string(a.lse) + " must be [total_q, num_qo_heads] = [" +
                       std::to_string(a.q.size(0)) + ", " + std::to_string(a.q.size(1)) + "]");
   }
-  check.tensor(a.qo_indptr, "qo_indptr", 1);
-  check.tensor(a.kv_indptr, "kv_indptr", 1);
-  check.dtype(a.qo_indptr, "qo_indptr", {DType::kInt32});
-  check.dtype(a.kv_indptr, "kv_indptr", {DType::kInt32});
+  check.output_layout(a.o, "o");
+  for (auto [in, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}}) {
+    check.disjoint(a.o, "o", *in, name);
+    if (!a.lse.empty_view()) check.disjoint(a.lse, "lse", *in, name);
+  }
+  if (!a.lse.empty_view()) {
+    check.output_layout(a.lse, "lse");
+    check.disjoint(a.lse, "lse", a.o, "o");
+  }
+  check.index_array(a.qo_indptr, "qo_indptr");
+  check.index_array(a.kv_indptr, "kv_indptr");
   check.require(a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
   check.dim(a.kv_indptr, "kv_indptr", 0, a.qo_indptr.size(0), "qo_indptr's length");
   check.require(a.host_qo_indptr != nullptr, "host_qo_indptr",
@@ -56,16 +65,45 @@ void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
                 "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
   check.require(std::isfinite(a.soft_cap) && a.soft_cap >= 0.f, "soft_cap",
                 "must be finite and >= 0 (0 means no soft-cap)");
-  check.require(a.q.size(0) < (int64_t(1) << 31) && a.k.size(0) < (int64_t(1) << 31), "q",
-                "more than 2^31 rows");
+  check.require(a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
+  check.require(a.k.size(0) < (int64_t(1) << 31), "k", "more than 2^31 - 1 rows");
+  // The launch grid is (query tiles, requests, heads); CUDA caps the last two at 65535.
+  check.require(a.qo_indptr.size(0) - 1 <= 65535, "qo_indptr",
+                "batch size " + std::to_string(a.qo_indptr.size(0) - 1) + " exceeds 65535 requests");
+  check.require(a.q.size(1) <= 65535, "q", "more than 65535 query heads");
 }
 
 }  // namespace
 
+namespace {
+// Compute capability of the current device, looked up once per device (batch_prefill runs per
+// layer per step; the full property query is too slow for that).
+struct CurrentGpu {
+  int cc_major = 0, cc_minor = 0;
+};
+CurrentGpu current_gpu() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices][2] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    const DeviceInfo info = device_info();
+    if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
+    return {info.cc_major, info.cc_minor};
+  }
+  if (cached[device][0] == 0) {
+    const DeviceInfo info = device_info(device);
+    if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
+    cached[device][1] = info.cc_minor;
+    cached[device][0] = info.cc_major;
+  }
+  return {cached[device][0], cached[device][1]};
+}
+}  // namespace
+
 AttentionPath choose_prefill_path(const PrefillArgs& args) {
-  const DeviceInfo info = device_info();
-  if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
-  const auto c = dispatch::choose_prefill(args.path, info.cc_major, info.cc_minor, args.q.dtype,
+  const CurrentGpu gpu = current_gpu();
+  const auto c = dispatch::choose_prefill(args.path, gpu.cc_major, gpu.cc_minor, args.q.dtype,
                                           static_cast<int>(args.q.size(2)));
   if (!c.ok) throw Error("tessera::batch_prefill: argument 'path': " + c.why_not);
   return c.path;
@@ -99,13 +137,16 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.batch_size = static_cast<int>(a.qo_indptr.size(0) - 1);
   p.num_qo_heads = static_cast<int>(a.q.size(1));
   p.num_kv_heads = static_cast<int>(a.k.size(1));
-  int max_qo = 0;
+  int max_qo = 0, max_kv = 0;
   for (int i = 0; i < p.batch_size; ++i) {
     max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
+    max_kv = std::max(max_kv, a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]);
   }
   p.max_qo_len = max_qo;
   p.causal = a.causal;
-  p.window_left = a.window_left;
+  // A window at least as long as every request's KV excludes nothing: pass it as "no window", which
+  // also keeps the kernel's int32 band arithmetic (row + offset - window) far from overflow.
+  p.window_left = a.window_left >= max_kv ? -1 : a.window_left;
   p.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(static_cast<float>(a.q.size(2)));
   p.soft_cap = a.soft_cap;
   (void)path;  // only the portable family exists so far

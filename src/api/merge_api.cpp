@@ -1,5 +1,7 @@
 // tessera::merge_state / merge_state_in_place / merge_states: validation, then one launch.
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "core/arg_check.h"
 #include "kernels/merge/merge_states.h"
@@ -40,7 +42,9 @@ void check_head_dim(const detail::ArgCheck& check, const TensorView& o, const ch
 }
 
 void check_size(const detail::ArgCheck& check, const TensorView& o_out) {
-  check.require(o_out.numel() / 8 < (int64_t(1) << 31), "o_out", "too many elements for one call");
+  // The kernel's grid-stride loop runs in int32: keep the last stride step below 2^31 too.
+  check.require(o_out.numel() / 8 < (int64_t(1) << 31) - (int64_t(1) << 24), "o_out",
+                "too many elements for one call");
 }
 
 void fill_output(kernels::MergeStatesParams& p, const TensorView& o_out, const TensorView& s_out) {
@@ -57,9 +61,27 @@ void fill_output(kernels::MergeStatesParams& p, const TensorView& o_out, const T
   }
 }
 
+// Outputs are laid out without self-overlap and touch no input, except that in place (o_out, s_out)
+// are exactly (o_a, s_a).
+void check_outputs(const detail::ArgCheck& check, const TensorView& o_out, const TensorView& s_out,
+                   std::initializer_list<std::pair<const TensorView*, const char*>> inputs,
+                   bool in_place) {
+  check.output_layout(o_out, "o_out");
+  if (!s_out.empty_view()) {
+    check.output_layout(s_out, "s_out");
+    check.disjoint(s_out, "s_out", o_out, "o_out");
+  }
+  int index = 0;  // in place, inputs[0] and [1] are (o_a, s_a), the outputs themselves
+  for (auto [in, name] : inputs) {
+    if (in_place && index++ < 2) continue;
+    check.disjoint(o_out, "o_out", *in, name);
+    if (!s_out.empty_view()) check.disjoint(s_out, "s_out", *in, name);
+  }
+}
+
 void merge_two(const char* entry, const TensorView& o_a, const TensorView& s_a,
                const TensorView& o_b, const TensorView& s_b, const TensorView& o_out,
-               const TensorView& s_out, cudaStream_t stream) {
+               const TensorView& s_out, cudaStream_t stream, bool in_place) {
   const detail::ArgCheck check(entry);
   check_state(check, o_a, "o_a", s_a, "s_a", 3);
   check_state(check, o_b, "o_b", s_b, "s_b", 3);
@@ -76,6 +98,8 @@ void merge_two(const char* entry, const TensorView& o_a, const TensorView& s_a,
     check.same_shape(s_a, "s_a", s_out, "s_out");
   }
   check_size(check, o_out);
+  check_outputs(check, o_out, s_out, {{&o_a, "o_a"}, {&s_a, "s_a"}, {&o_b, "o_b"}, {&s_b, "s_b"}},
+                in_place);
 
   kernels::MergeStatesParams p;
   p.num_states = 2;
@@ -99,12 +123,12 @@ void merge_two(const char* entry, const TensorView& o_a, const TensorView& s_a,
 void merge_state(const TensorView& o_a, const TensorView& s_a, const TensorView& o_b,
                  const TensorView& s_b, const TensorView& o_out, const TensorView& s_out,
                  cudaStream_t stream) {
-  merge_two("merge_state", o_a, s_a, o_b, s_b, o_out, s_out, stream);
+  merge_two("merge_state", o_a, s_a, o_b, s_b, o_out, s_out, stream, /*in_place=*/false);
 }
 
 void merge_state_in_place(const TensorView& o, const TensorView& s, const TensorView& o_other,
                           const TensorView& s_other, cudaStream_t stream) {
-  merge_two("merge_state_in_place", o, s, o_other, s_other, o, s, stream);
+  merge_two("merge_state_in_place", o, s, o_other, s_other, o, s, stream, /*in_place=*/true);
 }
 
 void merge_states(const TensorView& o_parts, const TensorView& s_parts, const TensorView& o_out,
@@ -128,6 +152,8 @@ void merge_states(const TensorView& o_parts, const TensorView& s_parts, const Te
                   "shape " + detail::shape_string(s_out) + " must be [rows, heads]");
   }
   check_size(check, o_out);
+  check_outputs(check, o_out, s_out, {{&o_parts, "o_parts"}, {&s_parts, "s_parts"}},
+                /*in_place=*/false);
 
   kernels::MergeStatesParams p;
   p.num_states = static_cast<int>(o_parts.size(1));

@@ -1,6 +1,7 @@
 #include "core/arg_check.h"
 
 #include <sstream>
+#include <utility>
 
 namespace tessera::detail {
 
@@ -10,6 +11,26 @@ std::string shape_string(const TensorView& t) {
   for (int i = 0; i < t.rank; ++i) os << (i ? ", " : "") << t.shape[i];
   os << "]";
   return os.str();
+}
+
+std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
+  if (t.numel() == 0) return {base, base};
+  int64_t lo = 0, hi = 0;  // element offsets of the extreme elements
+  for (int i = 0; i < t.rank; ++i) {
+    const int64_t reach = (t.shape[i] - 1) * t.stride[i];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const int64_t size = static_cast<int64_t>(dtype_size(t.dtype));
+  return {base + lo * size, base + (hi + 1) * size};
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.rank != b.rank) return false;
+  for (int i = 0; i < a.rank; ++i) {
+    if (a.shape[i] != b.shape[i] || (a.shape[i] > 1 && a.stride[i] != b.stride[i])) return false;
+  }
+  return true;
 }
 
 void ArgCheck::fail(const char* arg, const std::string& rule) const {
@@ -71,6 +92,46 @@ void ArgCheck::same_shape(const TensorView& a, const char* a_name, const TensorV
   require(same, b_name,
           "shape " + shape_string(b) + " must equal the shape of '" + a_name + "' " +
               shape_string(a));
+}
+
+void ArgCheck::output_layout(const TensorView& t, const char* arg) const {
+  // Dims of size > 1, innermost (smallest stride) first.
+  int dims[TensorView::kMaxRank];
+  int n = 0;
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] <= 1) continue;
+    require(t.stride[i] > 0, arg,
+            "is written by the kernel, so dim " + std::to_string(i) +
+                " must have a positive stride, got " + std::to_string(t.stride[i]));
+    dims[n++] = i;
+  }
+  for (int k = 1; k < n; ++k) {  // insertion sort by stride: at most kMaxRank dims
+    for (int j = k; j > 0 && t.stride[dims[j]] < t.stride[dims[j - 1]]; --j) std::swap(dims[j], dims[j - 1]);
+  }
+  int64_t extent = 1;  // elements spanned by the dims placed so far
+  for (int k = 0; k < n; ++k) {
+    const int i = dims[k];
+    require(t.stride[i] >= extent, arg,
+            "is written by the kernel, so its elements must not overlap: dim " + std::to_string(i) +
+                " has stride " + std::to_string(t.stride[i]) + " inside the " +
+                std::to_string(extent) + "-element extent of the dims below it");
+    extent = t.stride[i] * (t.shape[i] - 1) + extent;
+  }
+}
+
+void ArgCheck::disjoint(const TensorView& out, const char* out_name, const TensorView& in,
+                        const char* in_name) const {
+  const auto a = byte_span(out), b = byte_span(in);
+  const bool overlap = a.first < b.second && b.first < a.second;
+  require(!overlap, out_name,
+          std::string("must not overlap '") + in_name + "' (an output may not alias an input)");
+}
+
+void ArgCheck::index_array(const TensorView& t, const char* arg) const {
+  tensor(t, arg, 1);
+  dtype(t, arg, {DType::kInt32});
+  require(t.stride[0] == 1 || t.shape[0] <= 1, arg,
+          "must be contiguous (stride 1), got stride " + std::to_string(t.stride[0]));
 }
 
 void ArgCheck::head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tessera/error.h"
@@ -32,6 +33,15 @@ class ArgCheck {
   void same_shape(const TensorView& a, const char* a_name, const TensorView& b,
                   const char* b_name) const;
 
+  // An output written by several threads: every dim of size > 1 has a positive stride and no two
+  // elements share an address (strides, sorted, each at least the extent of the dims below).
+  void output_layout(const TensorView& t, const char* arg) const;
+  // `out` and `in` occupy disjoint byte ranges (checked on their spans, conservatively).
+  void disjoint(const TensorView& out, const char* out_name, const TensorView& in,
+                const char* in_name) const;
+  // A 1-D int32 index array with stride 1.
+  void index_array(const TensorView& t, const char* arg) const;
+
   // Attention head configuration: num_kv_heads >= 1 divides num_qo_heads (GQA/MQA groups), and
   // head_dim is one of `supported` (the head dims this build instantiated).
   void head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -47,5 +57,9 @@ class ArgCheck {
 };
 
 std::string shape_string(const TensorView& t);
+
+// First and one-past-last byte a view can touch (its span), for overlap checks.
+std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t);
+bool same_view(const TensorView& a, const TensorView& b);
 
 }  // namespace tessera::detail

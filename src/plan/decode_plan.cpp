@@ -26,18 +26,24 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
                              std::to_string(cap_.num_kv_heads) + ")");
   }
   if (cap_.num_sms < 1 || cap_.ctas_per_sm < 1) fail("num_sms", "num_sms and ctas_per_sm must be >= 1");
+  if (cap_.head_dim < 8 || cap_.head_dim % 8 != 0) {
+    fail("head_dim", "must be a positive multiple of 8, got " + std::to_string(cap_.head_dim));
+  }
   if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1) {
     fail("policy", "min_chunk_tokens and granularity must be >= 1");
   }
   group_ = cap_.num_qo_heads / cap_.num_kv_heads;
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
   // Unsplit, the list has batch x kv_heads items; split, at most one wave.
-  max_work_ = std::max(wave, cap_.max_batch_size * cap_.num_kv_heads);
+  const int64_t unsplit_items = int64_t(cap_.max_batch_size) * cap_.num_kv_heads;
+  if (unsplit_items > INT32_MAX) fail("max_batch_size", "max_batch_size x num_kv_heads exceeds 2^31 - 1");
+  max_work_ = std::max<int32_t>(wave, static_cast<int32_t>(unsplit_items));
   max_slots_ = wave;
   plan_.work.reserve(max_work_);
   plan_.merges.reserve(max_slots_);
   plan_.slot_row_offset.reserve(max_slots_ + 1);
   keys_.reserve(cap_.max_batch_size);
+  has_query_.reserve(cap_.max_batch_size);
   kv_len_.reserve(cap_.max_batch_size);
 }
 
@@ -46,16 +52,23 @@ int64_t DecodePlanner::max_partial_rows() const {
 }
 
 std::size_t DecodePlanner::workspace_bytes() const {
-  const std::size_t partials = std::size_t(max_partial_rows()) * (std::size_t(cap_.head_dim) + 1) * 4;
-  const std::size_t arrays = std::size_t(max_work_) * sizeof(WorkItem) +
-                             std::size_t(max_slots_) * sizeof(MergeRow) +
-                             std::size_t(max_slots_ + 1) * sizeof(int64_t);
-  return partials + arrays;
+  // Sub-buffers, each starting on a 256-byte boundary: partial O (fp32), partial LSE (fp32), work
+  // items, merge rows, slot row offsets.
+  auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const std::size_t rows = static_cast<std::size_t>(max_partial_rows());
+  return aligned(rows * std::size_t(cap_.head_dim) * 4) + aligned(rows * 4) +
+         aligned(std::size_t(max_work_) * sizeof(WorkItem)) +
+         aligned(std::size_t(max_slots_) * sizeof(MergeRow)) +
+         aligned(std::size_t(max_slots_ + 1) * sizeof(int64_t));
 }
 
 int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {
   int64_t items = 0;
-  for (int64_t len : kv_len_) items += len <= chunk ? 1 : (len + chunk - 1) / chunk;
+  for (size_t r = 0; r < kv_len_.size(); ++r) {
+    if (!has_query_[r]) continue;
+    const int64_t len = kv_len_[r];
+    items += len <= chunk ? 1 : (len + chunk - 1) / chunk;
+  }
   return items * cap_.num_kv_heads;
 }
 
@@ -69,15 +82,20 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   const std::string bad = format::check_bsr(kv, -1);
   if (!bad.empty()) fail("kv_indptr", bad);
 
+  if (qo_indptr[0] != 0) fail("qo_indptr", "must start at 0, got " + std::to_string(qo_indptr[0]));
   kv_len_.clear();
+  has_query_.clear();
   int64_t longest = 0;
   for (int32_t r = 0; r < batch; ++r) {
     const int32_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
     if (qo_len < 0 || qo_len > cap_.max_qo_len) {
       fail("qo_indptr", "request " + std::to_string(r) + " has " + std::to_string(qo_len) +
-                            " query tokens; the planner allows 0.." + std::to_string(cap_.max_qo_len));
+                            " query tokens; the planner allows 0.." + std::to_string(cap_.max_qo_len) +
+                            " (and qo_indptr must be non-decreasing)");
     }
-    kv_len_.push_back(kv.row_tokens(r));
+    // A request with no query this step reads nothing: cost 0, no work item.
+    kv_len_.push_back(qo_len == 0 ? 0 : kv.row_tokens(r));
+    has_query_.push_back(qo_len > 0);
     if (kv_len_.back() > INT32_MAX) {
       fail("kv_indptr", "request " + std::to_string(r) + " holds more than 2^31 - 1 tokens");
     }
@@ -119,6 +137,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   WorkItem* out = plan_.work.data();
   for (int64_t key : keys_) {
     const int32_t r = static_cast<int32_t>(key & 0xffffffff);
+    if (!has_query_[r]) continue;
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
     if (len <= chunk) {
       for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1};

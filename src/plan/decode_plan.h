@@ -10,7 +10,8 @@
 // chunk write their output directly; longer ones are split into chunks merged afterwards. Work is
 // ordered longest first (ties by request, then head) so the tail of the wave is short.
 //
-// Deterministic, allocation-free after construction (every buffer is sized from PlanCapacity, so
+// Requests with no query token this step get no work. Deterministic, allocation-free after
+// construction (every buffer is sized from PlanCapacity, so
 // the device copy of the plan has fixed addresses for CUDA-graph replay), pure C++.
 #pragma once
 
@@ -76,7 +77,8 @@ class DecodePlanner {
   int32_t max_work_items() const { return max_work_; }
   int32_t max_slots() const { return max_slots_; }
   int64_t max_partial_rows() const;
-  // Bytes of device workspace for the largest plan: fp32 partial O and LSE plus the plan arrays.
+  // Bytes of device workspace for the largest plan: fp32 partial O and LSE plus the plan arrays,
+  // each sub-buffer 256-byte aligned.
   std::size_t workspace_bytes() const;
 
  private:
@@ -90,6 +92,7 @@ class DecodePlanner {
   Plan plan_;
   std::vector<int64_t> keys_;     // (INT32_MAX - kv_len) << 32 | request: longest first
   std::vector<int64_t> kv_len_;   // per request, this step
+  std::vector<uint8_t> has_query_;  // per request: qo_len > 0 (otherwise no work at all)
 };
 
 }  // namespace tessera::plan

@@ -1,7 +1,7 @@
 // CPU reference attention, computed in fp64. The oracle for every attention test: independent of
 // all GPU code. Inputs are float (bf16/fp16 values are exactly representable), outputs double.
 //
-// Conventions (../DESIGN.md): ragged Q [total_q, num_qo_heads, head_dim] with qo_indptr; query head
+// Conventions (docs/CONVENTIONS.md): ragged Q [total_q, num_qo_heads, head_dim] with qo_indptr; query head
 // h reads KV head h / (num_qo_heads / num_kv_heads); causal is bottom-right aligned (row i of a
 // request with qo_len rows and kv_len keys sees keys j <= i + kv_len - qo_len); window_left w >= 0
 // additionally requires j >= i + kv_len - qo_len - w; soft-cap applies cap * tanh(s / cap) to the
@@ -97,7 +97,7 @@ float round_to_mantissa(float x, int mantissa_bits);
 // The same computation done naively in a low precision, the way an unfused GPU implementation
 // would: scores in fp32 from the (already rounded) inputs, softmax in fp32, probabilities rounded to
 // `bits` mantissa bits (7 for bf16, 10 for fp16), P.V accumulated in fp32, output rounded to the
-// same precision. Its error against attention() sets the tolerance of the kernels (STYLE.md).
+// same precision. Its error against attention() sets the tolerance of the kernels (docs/CONVENTIONS.md).
 void attention_naive_lowp(const float* q, const std::vector<int32_t>& qo_indptr,
                           const KVSource& kv, const AttentionParams& params, int mantissa_bits,
                           std::vector<double>& out, std::vector<double>& lse);

@@ -140,7 +140,7 @@ TEST(BadInputAppend, PageIdsOutsideCache) {
   p.indices = {4, 8, 2};
   expect_error([&] { p.run(); }, {"'kv_indices'", "page id 8", "outside the cache's 8 pages"});
   AppendProblem q;
-  q.indices = {-1, 0, 2};
+  q.indices = {4, -1, 2};  // request 0 appends into its second page
   expect_error([&] { q.run(); }, {"'kv_indices'", "page id -1"});
 }
 
@@ -321,6 +321,104 @@ TEST(BadInputPrefill, DtypesShapesAndIndptr) {
   PrefillProblem x;
   x.a.host_qo_indptr = nullptr;
   expect_error([&] { batch_prefill(x.a, nullptr); }, {"'host_qo_indptr'", "is required"});
+}
+
+}  // namespace
+}  // namespace tessera
+
+namespace tessera {
+namespace {
+
+TEST(BadInputAppend, HostCopiesAreRequired) {
+  AppendProblem p;
+  expect_error([&] {
+    p.table.host_indptr = nullptr;
+    append_paged_kv(p.cache, p.table, p.append_indptr, p.k_new, p.v_new, nullptr, p.append.data());
+  }, {"'host_indptr'", "is required"});
+  AppendProblem q;
+  q.table.host_indptr = q.indptr.data();
+  q.table.host_indices = q.indices.data();
+  q.table.host_last_page_len = q.last.data();
+  expect_error([&] { append_paged_kv(q.cache, q.table, q.append_indptr, q.k_new, q.v_new, nullptr, nullptr); },
+               {"'host_append_indptr'", "is required"});
+}
+
+TEST(BadInputAppend, PageWrittenTwice) {
+  AppendProblem p;
+  p.indices = {4, 2, 2};  // request 0's last page is request 1's only page
+  expect_error([&] { p.run(); }, {"'kv_indices'", "page id 2 receives new rows twice"});
+}
+
+TEST(BadInputAppend, OverlappingOrBroadcastPages) {
+  AppendProblem p;
+  p.cache.v_pages.data = p.cache.k_pages.data;
+  expect_error([&] { p.run(); }, {"'v_pages'", "must not overlap 'k_pages'"});
+  AppendProblem q;
+  q.cache.k_pages.stride[0] = 0;  // every page aliases page 0
+  expect_error([&] { q.run(); }, {"'k_pages'", "positive stride"});
+  AppendProblem r;
+  r.k_new.data = r.cache.k_pages.data;
+  expect_error([&] { r.run(); }, {"'k_pages'", "must not overlap 'k_new'"});
+}
+
+TEST(BadInputMerge, InPlaceAndNaryArguments) {
+  MergeProblem p;
+  expect_error([&] { merge_state_in_place(p.o_a, p.o_b, p.o_b, p.s_b, nullptr); },
+               {"merge_state_in_place", "'s_a'", "rank 2"});
+  expect_error([&] { merge_state_in_place(p.o_a, p.s_a, p.o_a, p.s_b, nullptr); },
+               {"merge_state_in_place", "'o_out'", "must not overlap 'o_b'"});
+  expect_error(
+      [&] {
+        merge_states(TensorView::contiguous(fake(), DType::kBF16, {16, 3, 4, 128}),
+                     TensorView::contiguous(fake(1 << 20), DType::kFP32, {16, 3, 4}),
+                     TensorView::contiguous(fake(2 << 20), DType::kFP16, {16, 4, 128}), TensorView(),
+                     nullptr);
+      },
+      {"merge_states", "'o_out'", "dtype must be bf16"});
+  expect_error(
+      [&] {
+        merge_states(TensorView::contiguous(fake(), DType::kFP32, {16, 3, 4, 128}),
+                     TensorView::contiguous(fake(1 << 20), DType::kFP32, {16, 3, 4}),
+                     TensorView::contiguous(fake(2 << 20), DType::kBF16, {16, 4, 64}), TensorView(),
+                     nullptr);
+      },
+      {"merge_states", "'o_out'", "[rows, heads, head_dim]"});
+}
+
+TEST(BadInputMerge, OverlappingOrBroadcastOutputs) {
+  MergeProblem p;
+  p.o_out.data = fake(128);  // one row into o_a
+  expect_error([&] { p.run(); }, {"'o_out'", "must not overlap 'o_a'"});
+  MergeProblem q;
+  q.s_out.stride[0] = 0;
+  q.s_out.stride[1] = 0;
+  expect_error([&] { q.run(); }, {"'s_out'", "positive stride"});
+}
+
+TEST(BadInputPrefill, IndptrAndLayoutRules) {
+  PrefillProblem p;
+  p.kv = {0, 21, 20};
+  expect_error([&] { p.run(); }, {"'kv_indptr'", "non-decreasing"});
+  PrefillProblem q;
+  q.a.qo_indptr.stride[0] = 2;
+  expect_error([&] { q.run(); }, {"'qo_indptr'", "must be contiguous"});
+  PrefillProblem r;
+  r.a.k.stride[0] = 2 * 128 + 4;  // rows no longer 16-byte aligned
+  r.a.v.stride[0] = 2 * 128 + 4;
+  expect_error([&] { r.run(); }, {"'k'", "multiple of 16 bytes"});
+  PrefillProblem s;
+  s.a.k = TensorView::contiguous(fake(1 << 20), DType::kBF16, {20, 2, 64});
+  s.a.v = TensorView::contiguous(fake(2 << 20), DType::kBF16, {20, 2, 64});
+  expect_error([&] { s.run(); }, {"'k'", "head_dim 64 must equal q's head_dim 128"});
+  PrefillProblem t;
+  t.a.o.data = t.a.k.data;
+  expect_error([&] { t.run(); }, {"'o'", "must not overlap 'k'"});
+  PrefillProblem u;
+  u.a.lse = TensorView::strided(fake(6 << 20), DType::kFP32, {9, 8}, {0, 1});
+  expect_error([&] { u.run(); }, {"'lse'", "positive stride"});
+  PrefillProblem w;
+  w.a.scale = -1.f;
+  expect_error([&] { w.run(); }, {"'scale'"});
 }
 
 }  // namespace

@@ -235,3 +235,50 @@ TEST(BsrLayout, PageTableViewAndChecks) {
 
 }  // namespace
 }  // namespace tessera::plan
+
+namespace tessera::plan {
+namespace {
+
+TEST(DecodePlan, RequestsWithoutQueriesGetNoWork) {
+  const PlanCapacity cap = h200_decode(8);
+  DecodePlanner planner(cap);
+  Batch b(16, {32768, 100});
+  b.qo_indptr = {0, 0, 1};  // the long request has no query this step
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  for (const WorkItem& w : plan.work) EXPECT_EQ(w.request, 1);
+  EXPECT_EQ(plan.work.size(), 8u);
+  EXPECT_EQ(plan.chunk_tokens, 0);
+}
+
+TEST(DecodePlan, BadQueryIndptr) {
+  DecodePlanner planner(h200_decode(8));
+  Batch b(16, {10, 20});
+  b.qo_indptr = {5, 5, 6};
+  EXPECT_THROW(planner.plan(b.bsr(), b.qo_indptr.data()), Error);
+  b.qo_indptr = {0, 2, 1};
+  EXPECT_THROW(planner.plan(b.bsr(), b.qo_indptr.data()), Error);
+}
+
+TEST(DecodePlan, BuffersKeepTheirAddressesAcrossSteps) {
+  const PlanCapacity cap = h200_decode(256, 4);
+  DecodePlanner planner(cap);
+  Batch small(16, {100});
+  const Plan& p0 = planner.plan(small.bsr(), small.qo_indptr.data());
+  const WorkItem* work = p0.work.data();
+  const MergeRow* merges = p0.merges.data();
+  const int64_t* slots = p0.slot_row_offset.data();
+  // The largest plans the capacity allows: every request, and one request split to the full wave.
+  Batch full(16, std::vector<int64_t>(256, 100000), 4);
+  const Plan& p1 = planner.plan(full.bsr(), full.qo_indptr.data());
+  EXPECT_EQ(p1.work.data(), work);
+  Batch one(16, {1 << 20}, 4);
+  const Plan& p2 = planner.plan(one.bsr(), one.qo_indptr.data());
+  EXPECT_EQ(p2.work.data(), work);
+  EXPECT_EQ(p2.merges.data(), merges);
+  EXPECT_EQ(p2.slot_row_offset.data(), slots);
+  EXPECT_LE(static_cast<int32_t>(p2.work.size()), planner.max_work_items());
+  EXPECT_LE(p2.partial_rows(), planner.max_partial_rows());
+}
+
+}  // namespace
+}  // namespace tessera::plan

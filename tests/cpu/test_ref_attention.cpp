@@ -1,5 +1,5 @@
 // The fp64 attention reference against a dense brute-force formulation written here from
-// DESIGN.md, and against its invariants: split-KV + merge, GQA = repeated MHA, paged = ragged.
+// docs/CONVENTIONS.md, and against its invariants: split-KV + merge, GQA = repeated MHA, paged = ragged.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -85,7 +85,7 @@ double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) 
 }
 
 // Dense attention of the whole batch, request by request: materialise the [qo_len, kv_len] score
-// matrix, mask it explicitly, softmax each row. Written from DESIGN.md, independently of
+// matrix, mask it explicitly, softmax each row. Written from docs/CONVENTIONS.md, independently of
 // attention_ref.cpp.
 void brute_force(const Batch& b, const AttentionParams& p, std::vector<double>& out,
                  std::vector<double>& lse) {

@@ -1,5 +1,5 @@
 // Helpers shared by the GPU tests: device buffers, random inputs, poisoned outputs, host-side
-// bf16/fp16 conversion and the tolerance rule of STYLE.md. GPU tests call TESSERA_REQUIRE_GPU()
+// bf16/fp16 conversion and the tolerance rule of docs/CONVENTIONS.md. GPU tests call TESSERA_REQUIRE_GPU()
 // first: without a GPU they skip with the reason instead of failing.
 #pragma once
 
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -47,19 +48,29 @@ class DeviceBuffer {
   template <typename T>
   void upload(const std::vector<T>& host) {
     if (host.size() * sizeof(T) > bytes_) throw std::runtime_error("upload larger than buffer");
-    if (!host.empty()) cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+    if (!host.empty()) check(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
   }
   template <typename T>
   std::vector<T> download(std::size_t count) const {
     std::vector<T> host(count);
-    if (count) cudaMemcpy(host.data(), ptr_, count * sizeof(T), cudaMemcpyDeviceToHost);
+    if (count * sizeof(T) > bytes_) throw std::runtime_error("download larger than buffer");
+    if (count) check(cudaMemcpy(host.data(), ptr_, count * sizeof(T), cudaMemcpyDeviceToHost), "download");
     return host;
   }
   // Every byte set to 0xFF: NaN in bf16/fp16/fp32, -1 in int32. Outputs are poisoned before a run
   // and checked afterwards for any element still holding the poison pattern.
-  void poison() { if (bytes_) cudaMemset(ptr_, 0xFF, bytes_); }
+  void poison() {
+    if (bytes_) check(cudaMemset(ptr_, 0xFF, bytes_), "poison");
+    check(cudaDeviceSynchronize(), "poison");
+  }
 
  private:
+  // A failed copy or fill would make every later check meaningless: stop the test there.
+  static void check(cudaError_t status, const char* what) {
+    if (status != cudaSuccess) {
+      throw std::runtime_error(std::string("DeviceBuffer ") + what + ": " + cudaGetErrorString(status));
+    }
+  }
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
 };

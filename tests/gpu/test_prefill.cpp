@@ -1,4 +1,4 @@
-// batch_prefill on the GPU against the fp64 CPU reference, with the tolerance rule of STYLE.md:
+// batch_prefill on the GPU against the fp64 CPU reference, with the tolerance rule of docs/CONVENTIONS.md:
 // max error <= 2 x (max error of the naive computation in the kernel's precision) + a floor.
 #include <algorithm>
 
@@ -18,7 +18,8 @@ struct PrefillCase {
   int window_left = -1;
   float soft_cap = 0.f;
   float scale = 0.f;
-  int64_t pad = 0;  // extra elements per row of q/k/v/o (strided rows)
+  int64_t pad = 0;       // extra elements per row of q/k/v/o (strided rows)
+  int64_t head_pad = 0;  // extra elements per head of q/k/v (head stride > head_dim)
   AttentionPath path = AttentionPath::kAuto;
 };
 
@@ -32,26 +33,30 @@ std::string describe(const PrefillCase& c) {
   if (c.causal) s += " causal";
   if (c.window_left >= 0) s += " window " + std::to_string(c.window_left);
   if (c.soft_cap > 0) s += " softcap " + std::to_string(c.soft_cap);
-  if (c.pad) s += " strided";
+  if (c.pad) s += " strided rows";
+  if (c.head_pad) s += " strided heads";
   return s;
 }
 
-struct Ragged16 {  // a ragged [rows, heads, dim] tensor with padded rows, on host and device
-  int64_t rows, heads, dim, row_stride;
+struct Ragged16 {  // a ragged [rows, heads, dim] tensor with padded rows and heads, host + device
+  int64_t rows, heads, dim, head_stride, row_stride;
   std::vector<uint16_t> bits;
   std::vector<float> dense;  // [rows, heads, dim] exact values, unpadded
   DeviceBuffer dev;
-  Ragged16(int64_t r, int64_t h, int64_t d, int64_t pad, DType dtype, std::mt19937& rng, float range)
-      : rows(r), heads(h), dim(d), row_stride(h * d + pad), dev(std::max<int64_t>(r * (h * d + pad), 8) * 2) {
+  Ragged16(int64_t r, int64_t h, int64_t d, int64_t pad, int64_t head_pad, DType dtype,
+           std::mt19937& rng, float range)
+      : rows(r), heads(h), dim(d), head_stride(d + head_pad), row_stride(h * (d + head_pad) + pad),
+        dev(std::max<int64_t>(r * (h * (d + head_pad) + pad), 8) * 2) {
     std::vector<uint16_t> packed;
     dense = random_16bit(size_t(r * h * d), dtype, rng, packed, -range, range);
     bits.assign(size_t(std::max<int64_t>(r * row_stride, 8)), to_bits(0.5f, dtype));
     for (int64_t i = 0; i < r; ++i)
-      std::copy_n(&packed[i * h * d], h * d, &bits[i * row_stride]);
+      for (int64_t j = 0; j < h; ++j)
+        std::copy_n(&packed[(i * h + j) * d], d, &bits[i * row_stride + j * head_stride]);
     dev.upload(bits);
   }
   TensorView view(DType dtype) const {
-    return TensorView::strided(dev.get(), dtype, {rows, heads, dim}, {row_stride, dim, 1});
+    return TensorView::strided(dev.get(), dtype, {rows, heads, dim}, {row_stride, head_stride, 1});
   }
 };
 
@@ -71,9 +76,9 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     kv_indptr.push_back(kv_indptr.back() + c.kv_len[i]);
   }
   const int64_t total_q = qo_indptr.back(), total_kv = kv_indptr.back();
-  Ragged16 q(total_q, c.num_qo_heads, c.head_dim, c.pad, c.dtype, rng, 2.f);
-  Ragged16 k(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.dtype, rng, 1.f);
-  Ragged16 v(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.dtype, rng, 1.f);
+  Ragged16 q(total_q, c.num_qo_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, 2.f);
+  Ragged16 k(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, 1.f);
+  Ragged16 v(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, 1.f);
   const int64_t o_stride = int64_t(c.num_qo_heads) * c.head_dim + c.pad;
   DeviceBuffer o(std::max<int64_t>(total_q * o_stride, 8) * 2), lse(std::max<int64_t>(total_q * c.num_qo_heads, 2) * 4);
   DeviceBuffer d_qo(qo_indptr.size() * 4), d_kv(kv_indptr.size() * 4);
@@ -111,10 +116,12 @@ void run_case(const PrefillCase& c, uint32_t seed) {
       else dst = from_bits(b, c.dtype);
     }
 
-  // Bitwise identical on a second run.
+  // Bitwise identical on a second run, O and LSE.
   batch_prefill(a, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(o.download<uint16_t>(size_t(total_q * o_stride)) == o_bits) << "second run differs";
+  EXPECT_TRUE(o.download<uint16_t>(size_t(total_q * o_stride)) == o_bits) << "second run differs (o)";
+  const auto lse_again = lse.download<float>(size_t(total_q * c.num_qo_heads));
+  EXPECT_EQ(std::memcmp(lse_again.data(), lse_got.data(), lse_got.size() * 4), 0) << "second run differs (lse)";
 
   ref::AttentionParams rp;
   rp.num_qo_heads = c.num_qo_heads;
@@ -191,6 +198,7 @@ TEST(GpuPrefill, GqaGroupsStridesAndScale) {
     c.kv_len = {300, 128};
     c.causal = true;
     c.pad = 24;
+    c.head_pad = qh == 8 ? 8 : 0;
     c.scale = 0.2f;
     run_case(c, seed++);
   }
@@ -199,12 +207,35 @@ TEST(GpuPrefill, GqaGroupsStridesAndScale) {
 TEST(GpuPrefill, ForcedPaths) {
   TESSERA_REQUIRE_GPU();
   PrefillCase c;
+  c.head_dim = dispatch::compiled_prefill_head_dims().front();
+  c.dtype = dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16;
   c.qo_len = {16};
   c.kv_len = {16};
   c.path = AttentionPath::kPortable;
   run_case(c, 300);
   c.path = AttentionPath::kHopper;  // not built yet: a clear error, not a silent fallback
   EXPECT_THROW(run_case(c, 301), Error);
+}
+
+TEST(GpuPrefill, HeadStridesWindowsAndChunkedPrefill) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 400;
+  PrefillCase c;
+  c.head_dim = 128;
+  c.num_qo_heads = 4;
+  c.num_kv_heads = 2;
+  c.qo_len = {300, 97, 1};
+  c.kv_len = {200, 500, 64};  // qo_len > kv_len, qo_len < kv_len, decode-like
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    c.dtype = dt;
+    c.causal = true;
+    c.window_left = 50;
+    run_case(c, seed++);
+    c.window_left = 1 << 30;  // longer than any KV: the same as no window
+    run_case(c, seed++);
+    c.window_left = 0;         // only the diagonal key
+    run_case(c, seed++);
+  }
 }
 
 }  // namespace
