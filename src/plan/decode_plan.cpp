@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <numeric>
 #include <string>
 
@@ -39,6 +40,23 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   if (unsplit_items > INT32_MAX) fail("max_batch_size", "max_batch_size x num_kv_heads exceeds 2^31 - 1");
   max_work_ = std::max<int32_t>(wave, static_cast<int32_t>(unsplit_items));
   max_slots_ = wave;
+  auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  std::size_t at = 0;
+  auto place = [&](std::size_t bytes) {
+    const std::size_t offset = at;
+    at += aligned(bytes);
+    return offset;
+  };
+  const std::size_t rows = static_cast<std::size_t>(int64_t(max_slots_) * cap_.max_qo_len * group_);
+  layout_.header = place(sizeof(PlanHeader));
+  layout_.work = place(std::size_t(max_work_) * sizeof(WorkItem));
+  layout_.merges = place(std::size_t(max_slots_) * sizeof(MergeRow));
+  layout_.slot_rows = place(std::size_t(max_slots_ + 1) * sizeof(int64_t));
+  layout_.plan_bytes = at;
+  layout_.partial_o = place(rows * std::size_t(cap_.head_dim) * sizeof(float));
+  layout_.partial_lse = place(rows * sizeof(float));
+  layout_.total = at;
+
   plan_.work.reserve(max_work_);
   plan_.merges.reserve(max_slots_);
   plan_.slot_row_offset.reserve(max_slots_ + 1);
@@ -51,15 +69,16 @@ int64_t DecodePlanner::max_partial_rows() const {
   return int64_t(max_slots_) * cap_.max_qo_len * group_;
 }
 
-std::size_t DecodePlanner::workspace_bytes() const {
-  // Sub-buffers, each starting on a 256-byte boundary: partial O (fp32), partial LSE (fp32), work
-  // items, merge rows, slot row offsets.
-  auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const std::size_t rows = static_cast<std::size_t>(max_partial_rows());
-  return aligned(rows * std::size_t(cap_.head_dim) * 4) + aligned(rows * 4) +
-         aligned(std::size_t(max_work_) * sizeof(WorkItem)) +
-         aligned(std::size_t(max_slots_) * sizeof(MergeRow)) +
-         aligned(std::size_t(max_slots_ + 1) * sizeof(int64_t));
+void DecodePlanner::write_image(void* image) const {
+  auto* base = static_cast<unsigned char*>(image);
+  const PlanHeader header{static_cast<int32_t>(plan_.work.size()),
+                          static_cast<int32_t>(plan_.merges.size()), plan_.num_slots(),
+                          plan_.chunk_tokens};
+  std::memcpy(base + layout_.header, &header, sizeof(header));
+  std::memcpy(base + layout_.work, plan_.work.data(), plan_.work.size() * sizeof(WorkItem));
+  std::memcpy(base + layout_.merges, plan_.merges.data(), plan_.merges.size() * sizeof(MergeRow));
+  std::memcpy(base + layout_.slot_rows, plan_.slot_row_offset.data(),
+              plan_.slot_row_offset.size() * sizeof(int64_t));
 }
 
 int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {

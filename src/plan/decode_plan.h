@@ -65,6 +65,28 @@ struct Plan {
   int64_t partial_rows() const { return slot_row_offset.back(); }
 };
 
+// Where each part of a plan lives in the user's device workspace: byte offsets fixed by the
+// capacity (so a captured CUDA graph sees the same addresses every step), each 256-byte aligned.
+// The plan arrays come first, so one host-to-device copy of the first `plan_bytes` bytes carries
+// the whole plan; the fp32 partial states of split chunks follow.
+struct PlanHeader {
+  int32_t num_work;
+  int32_t num_merges;
+  int32_t num_slots;
+  int32_t chunk_tokens;
+};
+
+struct WorkspaceLayout {
+  std::size_t header = 0;       // PlanHeader
+  std::size_t work = 0;         // WorkItem[max_work_items]
+  std::size_t merges = 0;       // MergeRow[max_slots]
+  std::size_t slot_rows = 0;    // int64_t[max_slots + 1]
+  std::size_t plan_bytes = 0;   // end of the plan arrays: the per-step copy
+  std::size_t partial_o = 0;    // float[max_partial_rows x head_dim]
+  std::size_t partial_lse = 0;  // float[max_partial_rows]
+  std::size_t total = 0;
+};
+
 class DecodePlanner {
  public:
   explicit DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy = {});
@@ -77,9 +99,13 @@ class DecodePlanner {
   int32_t max_work_items() const { return max_work_; }
   int32_t max_slots() const { return max_slots_; }
   int64_t max_partial_rows() const;
-  // Bytes of device workspace for the largest plan: fp32 partial O and LSE plus the plan arrays,
-  // each sub-buffer 256-byte aligned.
-  std::size_t workspace_bytes() const;
+  // The workspace's sub-buffers for this capacity; total is what the user allocates once.
+  const WorkspaceLayout& layout() const { return layout_; }
+  std::size_t workspace_bytes() const { return layout_.total; }
+
+  // Writes the last plan into `image` (host memory, at least layout().plan_bytes bytes, ideally
+  // pinned) at the layout's offsets, ready for one asynchronous copy to the workspace.
+  void write_image(void* image) const;
 
  private:
   int64_t items_for_chunk(int64_t chunk) const;
@@ -89,6 +115,7 @@ class DecodePlanner {
   int32_t group_ = 1;
   int32_t max_work_ = 0;
   int32_t max_slots_ = 0;
+  WorkspaceLayout layout_;
   Plan plan_;
   std::vector<int64_t> keys_;     // (INT32_MAX - kv_len) << 32 | request: longest first
   std::vector<int64_t> kv_len_;   // per request, this step

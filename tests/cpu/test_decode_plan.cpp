@@ -282,3 +282,42 @@ TEST(DecodePlan, BuffersKeepTheirAddressesAcrossSteps) {
 
 }  // namespace
 }  // namespace tessera::plan
+
+namespace tessera::plan {
+namespace {
+
+TEST(DecodePlan, WorkspaceLayoutAndPlanImage) {
+  const PlanCapacity cap = h200_decode(64, 2);
+  DecodePlanner planner(cap);
+  const WorkspaceLayout& l = planner.layout();
+  const std::size_t offsets[] = {l.header, l.work, l.merges, l.slot_rows, l.plan_bytes, l.partial_o,
+                                 l.partial_lse, l.total};
+  for (size_t i = 0; i < std::size(offsets); ++i) {
+    EXPECT_EQ(offsets[i] % 256, 0u) << i;
+    if (i > 0) EXPECT_GE(offsets[i], offsets[i - 1]) << i;
+  }
+  EXPECT_GE(l.work - l.header, sizeof(PlanHeader));
+  EXPECT_GE(l.merges - l.work, planner.max_work_items() * sizeof(WorkItem));
+  EXPECT_GE(l.partial_lse - l.partial_o, size_t(planner.max_partial_rows()) * cap.head_dim * 4);
+  EXPECT_GE(l.total - l.partial_lse, size_t(planner.max_partial_rows()) * 4);
+  EXPECT_EQ(planner.workspace_bytes(), l.total);
+
+  Batch b(16, {40000, 3, 700, 0}, 2);
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  ASSERT_GT(plan.merges.size(), 0u);
+  std::vector<unsigned char> image(l.plan_bytes, 0xAB);
+  planner.write_image(image.data());
+  PlanHeader h;
+  std::memcpy(&h, image.data() + l.header, sizeof(h));
+  EXPECT_EQ(h.num_work, static_cast<int32_t>(plan.work.size()));
+  EXPECT_EQ(h.num_merges, static_cast<int32_t>(plan.merges.size()));
+  EXPECT_EQ(h.num_slots, plan.num_slots());
+  EXPECT_EQ(h.chunk_tokens, plan.chunk_tokens);
+  EXPECT_EQ(std::memcmp(image.data() + l.work, plan.work.data(), plan.work.size() * sizeof(WorkItem)), 0);
+  EXPECT_EQ(std::memcmp(image.data() + l.merges, plan.merges.data(), plan.merges.size() * sizeof(MergeRow)), 0);
+  EXPECT_EQ(std::memcmp(image.data() + l.slot_rows, plan.slot_row_offset.data(),
+                        plan.slot_row_offset.size() * sizeof(int64_t)), 0);
+}
+
+}  // namespace
+}  // namespace tessera::plan
