@@ -31,7 +31,6 @@ struct Vec8 {
   using Pair = typename PairOf<T>::type;
   uint4 raw;
 
-  __device__ static Vec8 load(const T* p) { return {*reinterpret_cast<const uint4*>(p)}; }
   // Data read exactly once: evict-first, so it does not push reused data out of the caches.
   __device__ static Vec8 load_stream(const T* p) {
     return {__ldcs(reinterpret_cast<const uint4*>(p))};
@@ -60,10 +59,6 @@ template <>
 struct Vec8<float> {
   float4 lo, hi;
 
-  __device__ static Vec8 load(const float* p) {
-    const float4* q = reinterpret_cast<const float4*>(p);
-    return {q[0], q[1]};
-  }
   __device__ static Vec8 load_stream(const float* p) {
     const float4* q = reinterpret_cast<const float4*>(p);
     return {__ldcs(q), __ldcs(q + 1)};
