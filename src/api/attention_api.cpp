@@ -1,5 +1,6 @@
 // tessera::batch_prefill: validation, kernel choice, launch.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -83,7 +84,9 @@ struct CurrentGpu {
 };
 CurrentGpu current_gpu() {
   constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices][2] = {};
+  // major * 100 + minor per device, 0 until looked up; atomics because engines call from many
+  // threads (each looks up the same value, so the first store wins nothing it can break).
+  static std::atomic<int> cached[kMaxDevices] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
     cudaGetLastError();
@@ -91,13 +94,14 @@ CurrentGpu current_gpu() {
     if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
     return {info.cc_major, info.cc_minor};
   }
-  if (cached[device][0] == 0) {
+  int cc = cached[device].load(std::memory_order_relaxed);
+  if (cc == 0) {
     const DeviceInfo info = device_info(device);
     if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
-    cached[device][1] = info.cc_minor;
-    cached[device][0] = info.cc_major;
+    cc = info.cc_major * 100 + info.cc_minor;
+    cached[device].store(cc, std::memory_order_relaxed);
   }
-  return {cached[device][0], cached[device][1]};
+  return {cc / 100, cc % 100};
 }
 }  // namespace
 
