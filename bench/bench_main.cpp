@@ -155,40 +155,54 @@ int bench_merge(const Args& a) {
   return 0;
 }
 
-// prefill: batch requests of seq tokens each (qo_len = kv_len = seq), ragged layout, bf16.
-// FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
+// A bf16 prefill problem on the device: batch requests of seq tokens each (qo_len = kv_len = seq),
+// ragged layout, random inputs, and the PrefillArgs that run it.
+struct PrefillProblem {
+  int64_t tokens;
+  std::vector<int32_t> indptr;
+  Buffer q, k, v, o, lse, d_indptr;
+  PrefillArgs args;
+
+  PrefillProblem(int batch, int seq, int qh, int kh, int d, bool causal)
+      : tokens(int64_t(batch) * seq), indptr(batch + 1), q(tokens * qh * d * 2),
+        k(tokens * kh * d * 2), v(tokens * kh * d * 2), o(tokens * qh * d * 2), lse(tokens * qh * 4),
+        d_indptr(indptr.size() * 4) {
+    fill_random(q.get(), q.bytes(), 1, false);
+    fill_random(k.get(), k.bytes(), 2, false);
+    fill_random(v.get(), v.bytes(), 3, false);
+    for (int i = 0; i <= batch; ++i) indptr[i] = i * seq;
+    cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+    args.q = TensorView::contiguous(q.get(), DType::kBF16, {tokens, qh, d});
+    args.k = TensorView::contiguous(k.get(), DType::kBF16, {tokens, kh, d});
+    args.v = TensorView::contiguous(v.get(), DType::kBF16, {tokens, kh, d});
+    args.o = TensorView::contiguous(o.get(), DType::kBF16, {tokens, qh, d});
+    args.lse = TensorView::contiguous(lse.get(), DType::kFP32, {tokens, qh});
+    args.qo_indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
+    args.kv_indptr = args.qo_indptr;
+    args.host_qo_indptr = indptr.data();
+    args.host_kv_indptr = indptr.data();
+    args.causal = causal;
+  }
+  // Device memory held by a call beyond its inputs: o + lse + the drop in free memory around it.
+  double held_mb(size_t free_before, size_t free_after) const {
+    return (o.bytes() + lse.bytes() + double(free_before) - double(free_after)) / 1e6;
+  }
+};
+
+// prefill: FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
 int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
   const bool causal = arg(a, "causal", "false") == "true";
-  const int64_t tokens = int64_t(batch) * seq;
-  Buffer q(tokens * qh * d * 2), k(tokens * kh * d * 2), v(tokens * kh * d * 2), o(tokens * qh * d * 2),
-      lse(tokens * qh * 4);
-  fill_random(q.get(), q.bytes(), 1, false);
-  fill_random(k.get(), k.bytes(), 2, false);
-  fill_random(v.get(), v.bytes(), 3, false);
-  std::vector<int32_t> indptr(batch + 1);
-  for (int i = 0; i <= batch; ++i) indptr[i] = i * seq;
-  Buffer d_indptr(indptr.size() * 4);
-  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
-  PrefillArgs pa;
-  pa.q = TensorView::contiguous(q.get(), DType::kBF16, {tokens, qh, d});
-  pa.k = TensorView::contiguous(k.get(), DType::kBF16, {tokens, kh, d});
-  pa.v = TensorView::contiguous(v.get(), DType::kBF16, {tokens, kh, d});
-  pa.o = TensorView::contiguous(o.get(), DType::kBF16, {tokens, qh, d});
-  pa.lse = TensorView::contiguous(lse.get(), DType::kFP32, {tokens, qh});
-  pa.qo_indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
-  pa.kv_indptr = pa.qo_indptr;
-  pa.host_qo_indptr = indptr.data();
-  pa.host_kv_indptr = indptr.data();
-  pa.causal = causal;
+  PrefillProblem prob(batch, seq, qh, kh, d, causal);
+  PrefillArgs& pa = prob.args;
   pa.path = path;
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);
   cuda_ok(cudaMemGetInfo(&free_after, &total), "meminfo");
   const double flops = 4.0 * batch * qh * double(seq) * seq * d * (causal ? 0.5 : 1.0);
-  const double held_mb = (o.bytes() + lse.bytes() + double(free_before) - double(free_after)) / 1e6;
+  const double held_mb = prob.held_mb(free_before, free_after);
   std::printf("{\"suite\": \"%s\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "
               "\"time_us\": %.1f, \"held_mb\": %.1f, \"path\": \"%s\"}\n",
               suite, arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, held_mb,
@@ -201,32 +215,15 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
 // fp32 scores would need.
 int bench_memory(const Args& a) {
   const int seq = arg_int(a, "seq"), d = arg_int(a, "head_dim");
-  const int64_t tokens = seq;
-  Buffer q(tokens * d * 2), k(tokens * d * 2), v(tokens * d * 2), o(tokens * d * 2), lse(tokens * 4);
-  fill_random(q.get(), q.bytes(), 1, false);
-  fill_random(k.get(), k.bytes(), 2, false);
-  fill_random(v.get(), v.bytes(), 3, false);
-  std::vector<int32_t> indptr{0, seq};
-  Buffer d_indptr(8);
-  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), 8, cudaMemcpyHostToDevice), "upload");
-  PrefillArgs pa;
-  pa.q = TensorView::contiguous(q.get(), DType::kBF16, {tokens, 1, d});
-  pa.k = TensorView::contiguous(k.get(), DType::kBF16, {tokens, 1, d});
-  pa.v = TensorView::contiguous(v.get(), DType::kBF16, {tokens, 1, d});
-  pa.o = TensorView::contiguous(o.get(), DType::kBF16, {tokens, 1, d});
-  pa.lse = TensorView::contiguous(lse.get(), DType::kFP32, {tokens, 1});
-  pa.qo_indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {2});
-  pa.kv_indptr = pa.qo_indptr;
-  pa.host_qo_indptr = indptr.data();
-  pa.host_kv_indptr = indptr.data();
-  pa.causal = arg(a, "causal", "false") == "true";
+  PrefillProblem prob(1, seq, 1, 1, d, arg(a, "causal", "false") == "true");
+  const int64_t tokens = prob.tokens;
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaDeviceSynchronize(), "sync");
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
-  batch_prefill(pa, nullptr);
+  batch_prefill(prob.args, nullptr);
   cuda_ok(cudaDeviceSynchronize(), "sync");
   cuda_ok(cudaMemGetInfo(&free_after, &total), "meminfo");
-  const double held_mb = (o.bytes() + lse.bytes() + double(free_before) - double(free_after)) / 1e6;
+  const double held_mb = prob.held_mb(free_before, free_after);
   const double scores_mb = double(tokens) * tokens * 4 / 1e6;
   std::printf("{\"suite\": \"memory\", \"case\": \"%s\", \"metric\": \"MB\", \"tessera\": %.2f, "
               "\"materialised_scores_mb\": %.1f}\n", arg(a, "name").c_str(), held_mb, scores_mb);
