@@ -4,6 +4,14 @@
 //   tessera_bench ceiling
 //   tessera_bench append name=b8_a8192_nhd batch=8 append_len=8192 num_kv_heads=8 head_dim=128 page_size=16 layout=NHD
 //   tessera_bench merge name=... rows=16384 heads=32 head_dim=128 n=2 in_dtype=bf16 out_dtype=bf16
+//   tessera_bench decode name=b64_kv4096_p16 batch=64 kv_len=4096 num_qo_heads=32 num_kv_heads=8 head_dim=128 page_size=16
+//                 [layout=NHD|HND] [dtype=bf16|fp16] [lengths=uniform|zipf zipf_s=1.1 seed=1]
+//   tessera_bench prefill | prefill_portable name=... batch=... seq=... num_qo_heads=... num_kv_heads=... head_dim=... causal=...
+//   tessera_bench memory name=... seq=... head_dim=... [causal=...]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -12,6 +20,7 @@
 #include <vector>
 
 #include "ceilings.h"
+#include "tessera/decode.h"
 #include "tessera/tessera.h"
 #include "timing.h"
 
@@ -210,6 +219,189 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   return 0;
 }
 
+// splitmix64 (Steele, Lea & Flood 2014): the random source of the decode case that bench/peers.py
+// implements bit for bit (splitmix64_next there), so both sides draw the same per-request lengths.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+// Fisher-Yates, from the last element down: swap v[i] with v[next() % (i + 1)].
+template <class T>
+void shuffle(std::vector<T>& v, SplitMix64& rng) {
+  for (size_t i = v.size(); i-- > 1;) std::swap(v[i], v[rng.next() % (i + 1)]);
+}
+
+// Per-request KV lengths of a skewed batch (lengths=zipf). Kept identical to
+// zipf_lengths() in bench/peers.py; any change goes to both:
+//   w[r]   = pow(r + 1, -s) for rank r = 0 .. batch-1            (Zipf weights, libm pow)
+//   cap    = 16 * mean; target = mean * batch                      (doubles)
+//   k      = the smallest k in 0 .. batch-1 with w[k] * scale_k <= cap, where
+//            scale_k = (target - k * cap) / (w[k] + w[k+1] + ... + w[batch-1])  (summed in rank
+//            order, plain left-to-right additions): ranks < k are capped, the rest share the
+//            remaining tokens in proportion to w, so the mean is `mean` (up to rounding)
+//   len[r] = cap for r < k, else clamp(floor(w[r] * scale_k + 0.5), 1, cap)
+//   then the lengths are shuffled over the batch with shuffle(splitmix64 seeded with `seed`).
+// Only +, -, *, / and floor (exactly rounded IEEE doubles, no FMA: the product is stored first)
+// and pow (the same libm on one machine) are involved, so both sides agree exactly; both also
+// report the total as "kv_tokens" and peers.py flags a mismatch.
+std::vector<int32_t> zipf_lengths(int batch, int mean, double s, uint64_t seed) {
+  const int64_t cap = 16 * int64_t(mean);
+  std::vector<double> w(batch);
+  for (int r = 0; r < batch; ++r) w[r] = std::pow(double(r + 1), -s);
+  const double target = double(mean) * double(batch);
+  int k = 0;
+  double scale = 0.0;
+  for (; k < batch; ++k) {
+    double rest = 0.0;
+    for (int r = k; r < batch; ++r) rest += w[r];
+    scale = (target - double(k) * double(cap)) / rest;
+    if (w[k] * scale <= double(cap)) break;
+  }
+  std::vector<int32_t> len(batch);
+  for (int r = 0; r < batch; ++r) {
+    if (r < k) { len[r] = int32_t(cap); continue; }
+    volatile double x = w[r] * scale;  // rounded to double before the + 0.5, as in Python
+    const double rounded = std::floor(x + 0.5);
+    len[r] = int32_t(std::clamp<double>(rounded, 1.0, double(cap)));
+  }
+  SplitMix64 rng{seed};
+  shuffle(len, rng);
+  return len;
+}
+
+// decode: one query token per request over a paged KV cache, through BatchDecoder (plan once,
+// time run()). Pages are a random permutation of the pool (a request's pages are scattered, as in
+// a serving engine); data is random, never zero. bytes = the K and V rows of every request read
+// once: sum over requests of kv_len * num_kv_heads * head_dim * 2 (K, V) * sizeof(dtype), the
+// same figure bench/peers.py counts for its contiguous-KV peers. When one input set is smaller
+// than the L2-rotation budget, several copies of the cache (and of q / o / lse) are rotated; all
+// copies share one page table, so the plan stays valid for every run().
+int bench_decode(const Args& a) {
+  const int batch = arg_int(a, "batch"), kv_len = arg_int(a, "kv_len");
+  const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads");
+  const int D = arg_int(a, "head_dim"), P = arg_int(a, "page_size");
+  const KVLayout layout = arg(a, "layout", "NHD") == "HND" ? KVLayout::kHND : KVLayout::kNHD;
+  const DType dtype = parse_dtype(arg(a, "dtype", "bf16"));
+  const std::string lengths = arg(a, "lengths", "uniform");
+  const uint64_t seed = std::stoull(arg(a, "seed", "1"));
+  std::vector<int32_t> len;
+  if (lengths == "uniform") {
+    len.assign(batch, kv_len);
+  } else if (lengths == "zipf") {
+    len = zipf_lengths(batch, kv_len, std::stod(arg(a, "zipf_s", "1.1")), seed);
+  } else {
+    std::fprintf(stderr, "tessera_bench: lengths must be uniform or zipf, got '%s'\n", lengths.c_str());
+    return 2;
+  }
+
+  // Page table: request i owns ceil(len_i / P) pages, ids a random permutation of the pool.
+  std::vector<int32_t> indptr{0}, last, qo_indptr(batch + 1);
+  int64_t kv_tokens = 0;
+  int32_t max_kv = 0;
+  for (int i = 0; i < batch; ++i) {
+    const int32_t pages = (len[i] + P - 1) / P;
+    indptr.push_back(indptr.back() + pages);
+    last.push_back(len[i] - (pages - 1) * P);
+    kv_tokens += len[i];
+    max_kv = std::max(max_kv, len[i]);
+  }
+  for (int i = 0; i <= batch; ++i) qo_indptr[i] = i;
+  const int num_pages = indptr.back();
+  std::vector<int32_t> ids(num_pages);
+  for (int p = 0; p < num_pages; ++p) ids[p] = p;
+  SplitMix64 page_rng{seed ^ 0x7061676573ull};  // "pages": its own stream, not shared with peers.py
+  shuffle(ids, page_rng);
+
+  const size_t esize = dtype_size(dtype);
+  const double bytes = double(kv_tokens) * kh * D * 2 * double(esize);
+  const size_t q_bytes = size_t(batch) * qh * D * esize, lse_bytes = size_t(batch) * qh * 4;
+  const int rot = rotations_for(bytes + 2.0 * q_bytes + lse_bytes);
+  const size_t pool_bytes = size_t(num_pages) * P * kh * D * esize;
+  struct Set { std::unique_ptr<Buffer> k, v, q, o, lse; };
+  std::vector<Set> sets;
+  for (int r = 0; r < rot; ++r) {
+    Set st{std::make_unique<Buffer>(pool_bytes), std::make_unique<Buffer>(pool_bytes),
+           std::make_unique<Buffer>(q_bytes), std::make_unique<Buffer>(q_bytes),
+           std::make_unique<Buffer>(lse_bytes)};
+    fill_random(st.k->get(), pool_bytes, 10 * r + 1, false);
+    fill_random(st.v->get(), pool_bytes, 10 * r + 2, false);
+    fill_random(st.q->get(), q_bytes, 10 * r + 3, false);
+    sets.push_back(std::move(st));
+  }
+  Buffer d_indptr(indptr.size() * 4), d_ids(ids.size() * 4), d_last(last.size() * 4);
+  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+  cuda_ok(cudaMemcpy(d_ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
+  cuda_ok(cudaMemcpy(d_last.get(), last.data(), last.size() * 4, cudaMemcpyHostToDevice), "upload");
+  PageTable table;
+  table.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
+  table.indices = TensorView::contiguous(d_ids.get(), DType::kInt32, {num_pages});
+  table.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
+  table.host_indptr = indptr.data();
+  table.host_indices = ids.data();
+  table.host_last_page_len = last.data();
+
+  DecodeConfig cfg;
+  cfg.num_qo_heads = qh;
+  cfg.num_kv_heads = kh;
+  cfg.head_dim = D;
+  cfg.page_size = P;
+  cfg.dtype = dtype;
+  cfg.layout = layout;
+  cfg.max_batch_size = batch;
+  cfg.max_qo_len = 1;
+  const size_t ws_bytes = BatchDecoder::workspace_bytes(cfg);
+  Buffer ws(ws_bytes);
+  BatchDecoder decoder(cfg, ws.get(), ws_bytes);
+
+  // plan(): host cost per serving step (planning + the staging wait + the async copy's enqueue),
+  // median of 200 calls after 10 warm-up calls. Every call plans the same step.
+  // Timed twice: as an engine whose allocator vouches for its page ids calls it (num_pages -1),
+  // and with every page id checked against the cache (O(pages)).
+  const int plan_warmup = 10, plan_iters = 200;
+  auto time_plan = [&](int64_t check_pages) {
+    std::vector<double> plan_us(plan_iters);
+    for (int i = 0; i < plan_warmup + plan_iters; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      decoder.plan(qo_indptr.data(), table, nullptr, check_pages);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= plan_warmup) plan_us[i - plan_warmup] = std::chrono::duration<double, std::micro>(t1 - t0).count();
+    }
+    std::nth_element(plan_us.begin(), plan_us.begin() + plan_iters / 2, plan_us.end());
+    return plan_us[plan_iters / 2];
+  };
+  const double plan_checked_us = time_plan(num_pages);
+  const double plan_median_us = time_plan(-1);
+  cuda_ok(cudaDeviceSynchronize(), "plan");
+  const DecodePlanInfo info = decoder.last_plan();
+
+  const int64_t d1 = layout == KVLayout::kNHD ? P : kh, d2 = layout == KVLayout::kNHD ? kh : P;
+  const double ms = median_ms([&](int i) {
+    const Set& st = sets[i % rot];
+    PagedKVCache cache;
+    cache.layout = layout;
+    cache.k_pages = TensorView::contiguous(st.k->get(), dtype, {num_pages, d1, d2, D});
+    cache.v_pages = TensorView::contiguous(st.v->get(), dtype, {num_pages, d1, d2, D});
+    decoder.run(TensorView::contiguous(st.q->get(), dtype, {batch, qh, D}), cache, table,
+                TensorView::contiguous(st.o->get(), dtype, {batch, qh, D}),
+                TensorView::contiguous(st.lse->get(), DType::kFP32, {batch, qh}), nullptr);
+  });
+  char extra[512];
+  std::snprintf(extra, sizeof(extra),
+                ", \"rotations\": %d, \"kv_tokens\": %lld, \"max_kv_len\": %d, \"chunk_tokens\": %d, "
+                "\"work_items\": %d, \"split_requests\": %d, \"grid_ctas\": %d, \"plan_us\": %.3f, "
+                "\"plan_checked_us\": %.3f",
+                rot, static_cast<long long>(kv_tokens), max_kv, info.chunk_tokens, info.num_work_items,
+                info.num_split_requests, info.grid_ctas, plan_median_us, plan_checked_us);
+  print_record("decode", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3, extra);
+  return 0;
+}
+
 // memory: one head, seq tokens, hd: what tessera holds beyond its inputs (o + lse + any
 // workspace, from the device's free-memory readings around the call) against what materialised
 // fp32 scores would need.
@@ -234,7 +426,8 @@ int bench_memory(const Args& a) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: tessera_bench ceiling | append key=value... | merge key=value...\n");
+    std::fprintf(stderr, "usage: tessera_bench ceiling | append | merge | decode | prefill | prefill_portable | memory "
+                         "key=value...\n");
     return 2;
   }
   const DeviceInfo info = device_info();
@@ -257,6 +450,7 @@ int main(int argc, char** argv) {
     }
     if (suite == "append") return bench_append(a);
     if (suite == "merge") return bench_merge(a);
+    if (suite == "decode") return bench_decode(a);
     if (suite == "prefill_portable") return bench_prefill("prefill_portable", a, AttentionPath::kPortable);
     if (suite == "prefill") return bench_prefill("prefill", a, AttentionPath::kAuto);
     if (suite == "memory") return bench_memory(a);

@@ -67,6 +67,60 @@ SUITES = {
 }
 
 
+# Per-request KV lengths of a decode case: all kv_len, or (lengths="zipf") a skewed batch whose mean
+# is kv_len. The generator is the one of bench/bench_main.cpp (zipf_lengths there), bit for bit:
+# splitmix64 and a Fisher-Yates shuffle on 64-bit integers, and double arithmetic with plain
+# left-to-right sums (not sum(), which compensates since Python 3.12) and no fused multiply-add.
+# Both sides report the total as "kv_tokens"; merge_into() flags a mismatch.
+
+M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def splitmix64_next(state):
+    """Returns (new state, output): splitmix64 (Steele, Lea & Flood 2014)."""
+    state = (state + 0x9E3779B97F4A7C15) & M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return state, z ^ (z >> 31)
+
+
+def zipf_lengths(batch, mean, s, seed):
+    """w[r] = (r + 1) ** -s for rank r; cap = 16 * mean; the smallest k with w[k] * scale_k <= cap,
+    scale_k = (mean * batch - k * cap) / (w[k] + ... + w[batch - 1]), caps ranks < k and gives the
+    others floor(w[r] * scale_k + 0.5) clamped to [1, cap] (mean = `mean` up to rounding); then the
+    lengths are shuffled over the batch: for i = batch-1 .. 1, swap [i] with [next() % (i + 1)],
+    next() being splitmix64 seeded with `seed`."""
+    cap = 16 * mean
+    w = [math.pow(r + 1, -s) for r in range(batch)]
+    target = float(mean) * float(batch)
+    k, scale = 0, 0.0
+    while k < batch:
+        rest = 0.0
+        for r in range(k, batch):
+            rest += w[r]
+        scale = (target - float(k) * float(cap)) / rest
+        if w[k] * scale <= cap:
+            break
+        k += 1
+    lengths = [cap if r < k else min(cap, max(1, math.floor(w[r] * scale + 0.5))) for r in range(batch)]
+    state = seed & M64
+    for i in range(batch - 1, 0, -1):
+        state, x = splitmix64_next(state)
+        j = x % (i + 1)
+        lengths[i], lengths[j] = lengths[j], lengths[i]
+    return lengths
+
+
+def decode_lengths(p):
+    kind = p.get("lengths", "uniform")
+    if kind == "uniform":
+        return [p["kv_len"]] * p["batch"]
+    if kind == "zipf":
+        return zipf_lengths(p["batch"], p["kv_len"], float(p.get("zipf_s", 1.1)), int(p.get("seed", 1)))
+    raise ValueError("lengths must be uniform or zipf, got %r" % kind)
+
+
 def merge_dtypes(p):
     return p.get("in_dtype", p.get("dtype")), p.get("out_dtype", p.get("dtype"))
 
@@ -76,8 +130,9 @@ def case_work(suite, p):
     if suite in ("prefill", "prefill_portable"):
         flops = 4 * p["batch"] * p["num_qo_heads"] * p["seq"] * p["seq"] * p["head_dim"]
         return flops / 2 if p["causal"] else flops
-    if suite == "decode":
-        return p["batch"] * p["kv_len"] * p["num_kv_heads"] * p["head_dim"] * 2 * 2
+    if suite == "decode":  # K and V rows of every request read once (real lengths, no padding)
+        return (sum(decode_lengths(p)) * p["num_kv_heads"] * p["head_dim"] * 2
+                * DTYPE_SIZE[p.get("dtype", "bf16")])
     if suite == "moe_gemm":
         return 2 * p["tokens"] * p["K"] * p["N"]
     if suite == "append":
@@ -99,7 +154,8 @@ def set_bytes(suite, p):
         kv = p["batch"] * p["num_kv_heads"] * p["seq"] * p["head_dim"] * 2
         return 2 * q + 2 * kv
     if suite == "decode":
-        return case_work(suite, p) + 2 * p["batch"] * p["num_qo_heads"] * p["head_dim"] * 2
+        return case_work(suite, p) + 2 * p["batch"] * p["num_qo_heads"] * p["head_dim"] * DTYPE_SIZE[
+            p.get("dtype", "bf16")]
     if suite == "moe_gemm":
         return 2 * (p["tokens"] * p["K"] + p["experts"] * p["K"] * p["N"] + p["tokens"] * p["N"])
     return case_work(suite, p)  # append, merge: everything read and written
@@ -127,6 +183,11 @@ def load_cases(case_dir, only_suites):
                 in_dt, out_dt = merge_dtypes(c)
                 if in_dt not in DTYPE_SIZE or out_dt not in DTYPE_SIZE:
                     missing.append("dtype or in_dtype/out_dtype (bf16|fp16|fp32)")
+            if suite == "decode":
+                if c.get("lengths", "uniform") not in ("uniform", "zipf"):
+                    missing.append("lengths uniform|zipf")
+                if c.get("dtype", "bf16") not in ("bf16", "fp16"):
+                    missing.append("dtype bf16|fp16")
             if missing:
                 raise ValueError("%s: case %r lacks %s" % (path, c.get("name"), ", ".join(missing)))
         out.append((suite, doc["metric"], doc["cases"]))
@@ -342,17 +403,123 @@ def peer_sdpa_decode(backend, sets, p, budget_s):
     return case_work("decode", p) / t / 1e12, note
 
 
+def peer_sdpa_decode_loop(backend, sets, p, budget_s):
+    """Ragged batch through SDPA, which has no ragged (varlen) entry for cuDNN: one call per request
+    (q [1, Hq, 1, d], K/V [1, Hkv, kv_len_i, d], each contiguous), the whole loop timed as one call.
+    Padding to the longest request instead would read max_len * batch K/V rows (16x the real rows
+    for the zipf case), so the loop is the fairer simple choice; it still serialises the requests
+    (a short one fills few SMs), so it understates what a ragged cuDNN call could reach."""
+    from torch.nn.attention import sdpa_kernel
+    hq, hkv, d = p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+
+    def call_gqa(reqs):
+        for q, k, v in reqs:
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=(hq != hkv))
+
+    def call_folded(reqs):
+        for q, k, v in reqs:
+            F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k, v)
+
+    loop = "one SDPA call per request (%d calls) timed as a whole" % p["batch"]
+    with sdpa_kernel(backend):
+        # batch=1: the spin kernel ahead of each timed loop covers the host's launches of that loop
+        try:
+            t = time_cuda(call_gqa, sets, budget_s, batch=1)
+            note = loop + ("; enable_gqa=True" if hq != hkv else "")
+        except Exception as e:
+            torch.cuda.synchronize()
+            t = time_cuda(call_folded, sets, budget_s, batch=1)
+            note = loop + ("; enable_gqa refused (%s); query heads folded into q_len" % error_text(e)[:200])
+    return case_work("decode", p) / t / 1e12, note
+
+
+def peer_flash_varlen_decode(sets, cu_q, cu_k, starts, p, budget_s):
+    """FlashAttention-2's varlen forward (torch.ops.aten._flash_attention_forward with cumulative
+    sequence lengths, the kernel SDPA uses for jagged nested tensors): one launch over the packed
+    ragged batch, q [batch, Hq, d] (one row per request), K/V [sum(kv_len), Hkv, d], GQA native,
+    reading exactly the real K/V rows. Checked against fp32 SDPA on the longest and the shortest
+    request before timing."""
+    hq, hkv, d = p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    op = torch.ops.aten._flash_attention_forward
+
+    def call(x):
+        return op(x[0], x[1], x[2], cu_q, cu_k, 1, max(lengths), 0.0, False, False)
+
+    q, k, v = sets[0]
+    out = call(sets[0])[0]
+    for i in {lengths.index(max(lengths)), lengths.index(min(lengths))}:
+        kv = slice(starts[i], starts[i + 1])
+        ref = F.scaled_dot_product_attention(  # GQA as query heads folded into q_len: same attention
+            q[i].view(1, hkv, hq // hkv, d).float(), k[kv].transpose(0, 1).unsqueeze(0).float(),
+            v[kv].transpose(0, 1).unsqueeze(0).float()).reshape(hq, d)
+        err = (out[i].float() - ref).abs().max().item()
+        if not err < 3e-2:
+            raise RuntimeError("varlen flash output differs from SDPA on request %d (kv_len %d): max abs "
+                               "error %.3g" % (i, lengths[i], err))
+    del out
+    t = time_cuda(call, sets, budget_s)
+    return case_work("decode", p) / t / 1e12, ("aten._flash_attention_forward varlen (cu_seqlens_k over "
+                                               "the real lengths), one launch")
+
+
+DECODE_CACHE = {}  # page_size / layout variants share the peers' figure (the peers have no pages)
+
+
 def run_decode(p, args):
     from torch.nn.attention import SDPBackend
-    b, kv, d = p["batch"], p["kv_len"], p["head_dim"]
+    key = json.dumps({k: v for k, v in p.items() if k not in ("page_size", "layout")}, sort_keys=True)
+    if key in DECODE_CACHE:
+        peers, notes = DECODE_CACHE[key]
+        return dict(peers), dict(notes, shared="peers measured once for every page_size / layout"), {}
+    lengths = decode_lengths(p)
+    b, hq, hkv, d = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    dtype = TORCH_DTYPE[p.get("dtype", "bf16")]
     n = num_sets(set_bytes("decode", p))
-    sets = [(randn(b, p["num_qo_heads"], 1, d), randn(b, p["num_kv_heads"], kv, d),
-             randn(b, p["num_kv_heads"], kv, d)) for _ in range(n)]
-    peers, notes = {}, {"kv": "peers read contiguous K/V (not paged)"}
-    measure("cudnn", lambda: peer_sdpa_decode(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer),
-            peers, notes)
-    measure("torch_flash", lambda: peer_sdpa_decode(SDPBackend.FLASH_ATTENTION, sets, p, args.time_per_peer),
-            peers, notes)
+    peers = {}
+    notes = {"kv": "peers read contiguous K/V (not paged; page_size and layout do not apply)",
+             "kv_tokens": sum(lengths)}
+    if p.get("lengths", "uniform") == "uniform":
+        kv = p["kv_len"]
+        sets = [(randn(b, hq, 1, d, dtype=dtype), randn(b, hkv, kv, d, dtype=dtype),
+                 randn(b, hkv, kv, d, dtype=dtype)) for _ in range(n)]
+        measure("cudnn", lambda: peer_sdpa_decode(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer),
+                peers, notes)
+        measure("torch_flash", lambda: peer_sdpa_decode(SDPBackend.FLASH_ATTENTION, sets, p, args.time_per_peer),
+                peers, notes)
+        del sets
+    else:
+        # Ragged batch (the same per-request lengths as tessera, from decode_lengths): SDPA's dense
+        # [b, H, kv_len, d] tensors cannot hold it without padding, which would read extra rows
+        # while the TB/s counts the real ones. torch_flash: FlashAttention-2 varlen, one launch
+        # (the fair peer). cudnn: one SDPA call per request (no ragged cuDNN entry in torch's
+        # SDPA), a lower bound for cuDNN. Both count case_work = the real rows only.
+        total = sum(lengths)
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        notes["max_kv_len"] = max(lengths)
+
+        def cudnn_loop():
+            sets = []
+            for _ in range(n):
+                q = randn(b, hq, 1, d, dtype=dtype)
+                k, v = randn(total * hkv * d, dtype=dtype), randn(total * hkv * d, dtype=dtype)
+                sets.append([(q[i:i + 1], k[starts[i] * hkv * d:starts[i + 1] * hkv * d].view(1, hkv, length, d),
+                              v[starts[i] * hkv * d:starts[i + 1] * hkv * d].view(1, hkv, length, d))
+                             for i, length in enumerate(lengths)])
+            return peer_sdpa_decode_loop(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer)
+
+        def flash_varlen():
+            cu_q = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+            cu_k = torch.tensor(starts, device="cuda", dtype=torch.int32)
+            sets = [(randn(b, hq, d, dtype=dtype), randn(total, hkv, d, dtype=dtype),
+                     randn(total, hkv, d, dtype=dtype)) for _ in range(n)]
+            return peer_flash_varlen_decode(sets, cu_q, cu_k, starts, p, args.time_per_peer)
+
+        measure("cudnn", cudnn_loop, peers, notes)
+        measure("torch_flash", flash_varlen, peers, notes)
+    DECODE_CACHE[key] = (dict(peers), dict(notes))
     return peers, notes, {}
 
 
@@ -639,6 +806,11 @@ def merge_into(existing, records):
             existing.setdefault("records", []).append(rec)
             continue
         old.setdefault("peers", {}).update(rec["peers"])
+        # decode: tessera and the peers must have run the same per-request lengths
+        ours, theirs = old.get("notes", {}).get("kv_tokens"), rec["notes"].get("kv_tokens")
+        if ours is not None and theirs is not None and ours != theirs:
+            old["notes"]["kv_tokens_error"] = ("tessera read %s KV tokens, the peers %s: the length "
+                                               "generators disagree" % (ours, theirs))
         ceiling = old.setdefault("ceiling", {})
         renamed = {}  # torch ceiling name -> name used in the record (tessera's own value keeps its key)
         for k, v in rec["ceiling"].items():

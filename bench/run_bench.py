@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 # Suites with a tessera benchmark, and the ceilings their records are compared with.
-TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"],
+TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"], "decode": ["copy", "read"],
                   "prefill_portable": [], "prefill": [], "memory": []}
 
 

@@ -4,6 +4,8 @@
 # Writes into OUTDIR: info.txt, run.txt, tests.log (+ tests.xml), sanitizer.log, bench.log,
 # results.json (tessera and peers from this one run). Reuses BUILD_DIR (default build/) when it
 # holds a build; otherwise configures and builds it (needs CUTLASS headers: scripts/setup.sh).
+# Environment: TESSERA_COMMIT (recorded in results.json), BENCH_SUITES / PEER_SUITES (comma lists,
+# default all), TEST_FILTER (gtest filter, default all), SKIP_SANITIZER=1.
 set -uo pipefail
 out=${1:?usage: run_gpu_all.sh OUTDIR [BUILD_DIR]}
 build=${2:-build}
@@ -20,7 +22,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,p
 "$build/tools/tessera" run > "$out/run.txt" 2>&1 || { echo "tessera run FAILED"; status=1; }
 
 echo "== tests"
-"$build/tests/tessera_tests" --gtest_output=xml:"$out/tests.xml" > "$out/tests.log" 2>&1 || { echo "tests FAILED"; status=1; }
+"$build/tests/tessera_tests" ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} --gtest_output=xml:"$out/tests.xml" > "$out/tests.log" 2>&1 || { echo "tests FAILED"; status=1; }
 tail -3 "$out/tests.log"
 grep -E "^\[  (FAILED|SKIPPED) " "$out/tests.log" | head -20
 
@@ -28,14 +30,14 @@ if command -v compute-sanitizer >/dev/null && [ "${SKIP_SANITIZER:-0}" != 1 ]; t
   # racecheck sees shared-memory hazards only: it is run on the kernels that use shared memory.
   echo "== compute-sanitizer (memcheck, racecheck) on the GPU suites"
   { compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='Gpu*' 2>&1 | tail -5
-    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale' 2>&1 | tail -5
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuDecode*' 2>&1 | tail -5
   } > "$out/sanitizer.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log"
 fi
 
 echo "== benchmarks"
 python3 bench/run_bench.py --bench "$build/bench/tessera_bench" --cases bench/cases \
-  --out "$out/results.json" ${TESSERA_COMMIT:+--commit $TESSERA_COMMIT} > "$out/bench.log" 2>&1 || { echo "bench FAILED"; status=1; }
+  --out "$out/results.json" ${TESSERA_COMMIT:+--commit $TESSERA_COMMIT} ${BENCH_SUITES:+--suites $BENCH_SUITES} > "$out/bench.log" 2>&1 || { echo "bench FAILED"; status=1; }
 tail -12 "$out/bench.log"
 echo "== peers"
 python3 bench/peers.py --cases bench/cases --out "$out/results.json" --merge-into "$out/results.json" \

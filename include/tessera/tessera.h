@@ -2,6 +2,7 @@
 #pragma once
 
 #include "tessera/attention.h"
+#include "tessera/decode.h"
 #include "tessera/device_info.h"
 #include "tessera/dtype.h"
 #include "tessera/error.h"

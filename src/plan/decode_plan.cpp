@@ -35,11 +35,16 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   }
   group_ = cap_.num_qo_heads / cap_.num_kv_heads;
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
-  // Unsplit, the list has batch x kv_heads items; split, at most one wave.
+  // Fitting one wave, a split list has at most `wave` items. Overfilled, chunks are at least the
+  // average load per CTA slot (total / wave per head), so splitting adds at most wave / heads
+  // chunks per head: at most batch x heads + wave items, and the split requests' chunks (each
+  // longer than a chunk, so fewer than wave / heads of them per head) at most 2 x wave slots.
   const int64_t unsplit_items = int64_t(cap_.max_batch_size) * cap_.num_kv_heads;
-  if (unsplit_items > INT32_MAX) fail("max_batch_size", "max_batch_size x num_kv_heads exceeds 2^31 - 1");
-  max_work_ = std::max<int32_t>(wave, static_cast<int32_t>(unsplit_items));
-  max_slots_ = wave;
+  if (unsplit_items + 2 * int64_t(wave) > INT32_MAX) {
+    fail("max_batch_size", "max_batch_size x num_kv_heads exceeds 2^31 - 1");
+  }
+  max_work_ = static_cast<int32_t>(unsplit_items + wave);
+  max_slots_ = 2 * wave;
   auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
   std::size_t at = 0;
   auto place = [&](std::size_t bytes) {
@@ -51,7 +56,9 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   layout_.header = place(sizeof(PlanHeader));
   layout_.work = place(std::size_t(max_work_) * sizeof(WorkItem));
   layout_.merges = place(std::size_t(max_slots_) * sizeof(MergeRow));
+  layout_.requests = place(std::size_t(cap_.max_batch_size) * sizeof(RequestInfo));
   layout_.slot_rows = place(std::size_t(max_slots_ + 1) * sizeof(int64_t));
+  layout_.merge_counters = place(std::size_t(max_slots_) * sizeof(int32_t));
   layout_.plan_bytes = at;
   layout_.partial_o = place(rows * std::size_t(cap_.head_dim) * sizeof(float));
   layout_.partial_lse = place(rows * sizeof(float));
@@ -59,6 +66,7 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
 
   plan_.work.reserve(max_work_);
   plan_.merges.reserve(max_slots_);
+  plan_.requests.reserve(cap_.max_batch_size);
   plan_.slot_row_offset.reserve(max_slots_ + 1);
   keys_.reserve(cap_.max_batch_size);
   has_query_.reserve(cap_.max_batch_size);
@@ -71,14 +79,24 @@ int64_t DecodePlanner::max_partial_rows() const {
 
 void DecodePlanner::write_image(void* image) const {
   auto* base = static_cast<unsigned char*>(image);
+  int32_t max_merge_rows = 0;
+  for (const MergeRow& m : plan_.merges) {
+    max_merge_rows = std::max(max_merge_rows, plan_.requests[m.request].qo_len * group_);
+  }
   const PlanHeader header{static_cast<int32_t>(plan_.work.size()),
-                          static_cast<int32_t>(plan_.merges.size()), plan_.num_slots(),
-                          plan_.chunk_tokens};
+                          static_cast<int32_t>(plan_.merges.size()),
+                          plan_.num_slots(),
+                          plan_.chunk_tokens,
+                          static_cast<int32_t>(plan_.requests.size()),
+                          max_merge_rows};
   std::memcpy(base + layout_.header, &header, sizeof(header));
   std::memcpy(base + layout_.work, plan_.work.data(), plan_.work.size() * sizeof(WorkItem));
   std::memcpy(base + layout_.merges, plan_.merges.data(), plan_.merges.size() * sizeof(MergeRow));
+  std::memcpy(base + layout_.requests, plan_.requests.data(),
+              plan_.requests.size() * sizeof(RequestInfo));
   std::memcpy(base + layout_.slot_rows, plan_.slot_row_offset.data(),
               plan_.slot_row_offset.size() * sizeof(int64_t));
+  std::memset(base + layout_.merge_counters, 0, plan_.merges.size() * sizeof(int32_t));
 }
 
 int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {
@@ -104,6 +122,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   if (qo_indptr[0] != 0) fail("qo_indptr", "must start at 0, got " + std::to_string(qo_indptr[0]));
   kv_len_.clear();
   has_query_.clear();
+  plan_.requests.clear();
   int64_t longest = 0;
   for (int32_t r = 0; r < batch; ++r) {
     const int32_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
@@ -112,18 +131,20 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
                             " query tokens; the planner allows 0.." + std::to_string(cap_.max_qo_len) +
                             " (and qo_indptr must be non-decreasing)");
     }
-    // A request with no query this step reads nothing: cost 0, no work item.
-    kv_len_.push_back(qo_len == 0 ? 0 : kv.row_tokens(r));
-    has_query_.push_back(qo_len > 0);
-    if (kv_len_.back() > INT32_MAX) {
+    const int64_t tokens = kv.row_tokens(r);
+    if (tokens > INT32_MAX) {
       fail("kv_indptr", "request " + std::to_string(r) + " holds more than 2^31 - 1 tokens");
     }
+    // A request with no query this step reads nothing: cost 0, no work item.
+    kv_len_.push_back(qo_len == 0 ? 0 : tokens);
+    has_query_.push_back(qo_len > 0);
+    plan_.requests.push_back({qo_indptr[r], qo_len, static_cast<int32_t>(tokens), kv.indptr[r]});
     longest = std::max(longest, kv_len_.back());
   }
 
   // The chunk length: the smallest multiple of the granularity, at least min_chunk_tokens, whose
   // work list fits one wave. items_for_chunk() never grows with the chunk, so binary search over
-  // granules; nothing splits when even the unsplit list overfills the wave.
+  // granules. When even the unsplit list overfills the wave, see below.
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
   const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
   const int64_t hi_granules = std::max<int64_t>(1, (longest + gran - 1) / gran);
@@ -134,6 +155,14 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       const int64_t mid = lo + (hi - lo) / 2;
       if (items_for_chunk(mid * gran) <= wave) hi = mid; else lo = mid + 1;
     }
+  } else {
+    // Overfilled: the CTAs take items as SMs free up, so the makespan is about the average load
+    // per CTA slot plus the longest item. Requests longer than that average (a skewed batch's
+    // few long ones) are split to it; everything else stays whole.
+    int64_t total = 0;
+    for (int64_t len : kv_len_) total += len;
+    const int64_t average = (total * cap_.num_kv_heads + wave - 1) / wave;
+    hi = std::min(hi_granules, std::max(lo, (average + gran - 1) / gran));
   }
   const int64_t chunk = hi * gran;
   const bool any_split = chunk < longest;
@@ -159,7 +188,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     if (!has_query_[r]) continue;
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
     if (len <= chunk) {
-      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1};
+      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1, -1};
       continue;
     }
     const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
@@ -169,7 +198,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       for (int32_t c = 0; c < chunks; ++c) {
         const int32_t begin = static_cast<int32_t>(c * chunk);
         const int32_t end = static_cast<int32_t>(std::min<int64_t>(begin + chunk, len));
-        *out++ = {r, h, begin, end, first_slot + c};
+        *out++ = {r, h, begin, end, first_slot + c, static_cast<int32_t>(plan_.merges.size())};
         plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
       }
       plan_.merges.push_back({r, h, first_slot, chunks});

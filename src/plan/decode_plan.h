@@ -6,9 +6,11 @@
 // Split-KV (flash-decoding) comes from a cost model: the cost of a work item is the KV tokens it
 // reads. The planner picks the smallest chunk length (a multiple of the page-aligned granularity,
 // at least min_chunk_tokens) whose work list still fits one wave of CTAs (num_sms x ctas_per_sm);
-// when even unsplit requests overfill the wave, nothing is split. Requests no longer than the
-// chunk write their output directly; longer ones are split into chunks merged afterwards. Work is
-// ordered longest first (ties by request, then head) so the tail of the wave is short.
+// when even unsplit requests overfill the wave, only requests longer than the average load per
+// CTA slot are split, to that length, so a skewed batch's few long requests do not form the tail.
+// Requests no longer than the chunk write their output directly; longer ones are split into chunks
+// merged afterwards. Work is ordered longest first (ties by request, then head); the decode kernel
+// launches one CTA per item, so the hardware hands items to SMs as they free up.
 //
 // Requests with no query token this step get no work. Deterministic, allocation-free after
 // construction (every buffer is sized from PlanCapacity, so
@@ -45,8 +47,21 @@ struct WorkItem {  // one CTA: one request's query rows for one KV head over a t
   int32_t kv_begin;      // tokens [kv_begin, kv_end) of the request's KV
   int32_t kv_end;
   int32_t partial_slot;  // -1: writes O / LSE directly; else its partial-state slot
+  int32_t merge;         // its merge row when split (-1 otherwise)
 };
 
+// Per request, what the kernels need to find its rows: copied with the plan, so run() reads no
+// index array of the user's but the page ids themselves.
+struct RequestInfo {
+  int32_t q_start;     // first query row (qo_indptr[r])
+  int32_t qo_len;
+  int32_t kv_len;
+  int32_t page_begin;  // kv_indptr[r]: its first entry of kv_indices
+};
+
+// The slots of one merge row are consecutive (first_slot .. first_slot + num_slots - 1) and hold
+// the same rows (the request's qo_len x group), so slot s's rows start at
+// slot_row_offset[first_slot] + (s - first_slot) x rows.
 struct MergeRow {  // one (request, KV head) whose chunk partials are merged into O / LSE
   int32_t request;
   int32_t kv_head;
@@ -57,6 +72,7 @@ struct MergeRow {  // one (request, KV head) whose chunk partials are merged int
 struct Plan {
   std::vector<WorkItem> work;             // launch order
   std::vector<MergeRow> merges;
+  std::vector<RequestInfo> requests;      // [batch]
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
   int32_t chunk_tokens = 0;               // chosen chunk length; 0 when nothing is split
   int32_t wave_ctas = 0;                  // num_sms x ctas_per_sm the plan was balanced for
@@ -74,13 +90,18 @@ struct PlanHeader {
   int32_t num_merges;
   int32_t num_slots;
   int32_t chunk_tokens;
+  int32_t batch_size;
+  int32_t max_merge_rows;  // largest qo_len x group over merged requests (rows of a merge row)
 };
 
 struct WorkspaceLayout {
   std::size_t header = 0;       // PlanHeader
   std::size_t work = 0;         // WorkItem[max_work_items]
   std::size_t merges = 0;       // MergeRow[max_slots]
+  std::size_t requests = 0;     // RequestInfo[max_batch_size]
   std::size_t slot_rows = 0;    // int64_t[max_slots + 1]
+  std::size_t merge_counters = 0;  // int32_t[max_slots]: chunks finished per merge row, zeroed
+                                   // by every plan copy and reset by the CTA that merges
   std::size_t plan_bytes = 0;   // end of the plan arrays: the per-step copy
   std::size_t partial_o = 0;    // float[max_partial_rows x head_dim]
   std::size_t partial_lse = 0;  // float[max_partial_rows]

@@ -75,6 +75,7 @@ void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
       EXPECT_EQ(pos, kv.row_tokens(r)) << "request " << r << ": chunks must end at kv_len";
       if (list.size() == 1) {
         EXPECT_EQ(list[0]->partial_slot, -1) << "an unsplit request writes its output directly";
+        EXPECT_EQ(list[0]->merge, -1);
         continue;
       }
       const auto m = std::find_if(plan.merges.begin(), plan.merges.end(),
@@ -84,14 +85,32 @@ void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
       ASSERT_EQ(m->num_slots, static_cast<int32_t>(list.size()));
       for (size_t i = 0; i < list.size(); ++i) {
         EXPECT_EQ(list[i]->partial_slot, m->first_slot + static_cast<int32_t>(i));
+        EXPECT_EQ(list[i]->merge, static_cast<int32_t>(m - plan.merges.begin()));
+        EXPECT_EQ(plan.slot_row_offset[m->first_slot + i],
+                  plan.slot_row_offset[m->first_slot] + int64_t(i) * (b.qo_indptr[r + 1] - b.qo_indptr[r]) * group)
+            << "a merge row's slots are consecutive with equal rows";
         const int64_t rows = plan.slot_row_offset[m->first_slot + i + 1] - plan.slot_row_offset[m->first_slot + i];
         EXPECT_EQ(rows, int64_t(b.qo_indptr[r + 1] - b.qo_indptr[r]) * group);
       }
     }
   }
   EXPECT_EQ(merges_seen, static_cast<int32_t>(plan.merges.size()));
-  if (plan.chunk_tokens > 0) {
+  int64_t total = 0, longest = 0;
+  for (int32_t r = 0; r < batch; ++r) {
+    total += kv.row_tokens(r);
+    longest = std::max(longest, kv.row_tokens(r));
+  }
+  const int64_t unsplit_items = int64_t(batch) * cap.num_kv_heads;
+  if (plan.chunk_tokens > 0 && unsplit_items <= plan.wave_ctas) {
     EXPECT_LE(static_cast<int32_t>(plan.work.size()), plan.wave_ctas) << "a split plan fits one wave";
+  }
+  if (unsplit_items > plan.wave_ctas) {
+    // Overfilled: no item is longer than the average load per CTA slot (rounded up to a granule,
+    // and never below the minimum chunk).
+    const int64_t average = (total * cap.num_kv_heads + plan.wave_ctas - 1) / plan.wave_ctas;
+    for (const WorkItem& w : plan.work) {
+      EXPECT_LE(w.kv_end - w.kv_begin, std::max<int64_t>(average + 255, 256 + 255));
+    }
   }
 }
 
@@ -104,6 +123,24 @@ TEST(DecodePlan, FullBatchIsNotSplit) {
   EXPECT_EQ(plan.chunk_tokens, 0);
   EXPECT_TRUE(plan.merges.empty());
   EXPECT_EQ(plan.work.size(), 512u);
+}
+
+TEST(DecodePlan, LongRequestsOfAnOverfilledBatchAreSplitToTheAverageLoad) {
+  const PlanCapacity cap = h200_decode(256);
+  DecodePlanner planner(cap);
+  // 255 x 1024 tokens and one 65536-token request: 256 x 8 = 2048 items overfill 528 CTAs. The
+  // average load per CTA slot is (255 x 1024 + 65536) x 8 / 528 = 4949 tokens, so the long one is
+  // split into 4960-token chunks (a granule multiple) and the short ones stay whole.
+  std::vector<int64_t> kv(255, 1024);
+  kv.push_back(65536);
+  Batch b(16, kv);
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  check_plan(plan, b, cap);
+  EXPECT_EQ(plan.chunk_tokens, 4960);
+  EXPECT_EQ(plan.merges.size(), 8u);
+  EXPECT_EQ(plan.work.size(), 255u * 8 + 14u * 8);  // ceil(65536 / 4960) = 14 chunks per head
+  EXPECT_LE(static_cast<int32_t>(plan.work.size()), planner.max_work_items());
+  EXPECT_LE(plan.num_slots(), planner.max_slots());
 }
 
 TEST(DecodePlan, SingleLongRequestIsSplitToFillTheWave) {
@@ -290,7 +327,7 @@ TEST(DecodePlan, WorkspaceLayoutAndPlanImage) {
   const PlanCapacity cap = h200_decode(64, 2);
   DecodePlanner planner(cap);
   const WorkspaceLayout& l = planner.layout();
-  const std::size_t offsets[] = {l.header, l.work, l.merges, l.slot_rows, l.plan_bytes, l.partial_o,
+  const std::size_t offsets[] = {l.header, l.work, l.merges, l.requests, l.slot_rows, l.merge_counters, l.plan_bytes, l.partial_o,
                                  l.partial_lse, l.total};
   for (size_t i = 0; i < std::size(offsets); ++i) {
     EXPECT_EQ(offsets[i] % 256, 0u) << i;
@@ -298,6 +335,8 @@ TEST(DecodePlan, WorkspaceLayoutAndPlanImage) {
   }
   EXPECT_GE(l.work - l.header, sizeof(PlanHeader));
   EXPECT_GE(l.merges - l.work, planner.max_work_items() * sizeof(WorkItem));
+  EXPECT_GE(l.slot_rows - l.requests, size_t(cap.max_batch_size) * sizeof(RequestInfo));
+  EXPECT_GE(l.plan_bytes - l.merge_counters, size_t(planner.max_slots()) * sizeof(int32_t));
   EXPECT_GE(l.partial_lse - l.partial_o, size_t(planner.max_partial_rows()) * cap.head_dim * 4);
   EXPECT_GE(l.total - l.partial_lse, size_t(planner.max_partial_rows()) * 4);
   EXPECT_EQ(planner.workspace_bytes(), l.total);
@@ -313,6 +352,23 @@ TEST(DecodePlan, WorkspaceLayoutAndPlanImage) {
   EXPECT_EQ(h.num_merges, static_cast<int32_t>(plan.merges.size()));
   EXPECT_EQ(h.num_slots, plan.num_slots());
   EXPECT_EQ(h.chunk_tokens, plan.chunk_tokens);
+  EXPECT_EQ(h.batch_size, 4);
+  // Merged requests: the 40000- and 700-token ones (group 32 / 8 = 4, qo_len 2 -> 8 rows).
+  EXPECT_EQ(h.max_merge_rows, 2 * cap.num_qo_heads / cap.num_kv_heads);
+  ASSERT_EQ(plan.requests.size(), 4u);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(plan.requests[r].q_start, b.qo_indptr[r]);
+    EXPECT_EQ(plan.requests[r].qo_len, b.qo_indptr[r + 1] - b.qo_indptr[r]);
+    EXPECT_EQ(plan.requests[r].kv_len, b.bsr().row_tokens(r));
+    EXPECT_EQ(plan.requests[r].page_begin, b.kv_indptr[r]);
+  }
+  for (size_t m = 0; m < plan.merges.size(); ++m) {
+    int32_t counter;
+    std::memcpy(&counter, image.data() + l.merge_counters + m * sizeof(int32_t), sizeof(counter));
+    EXPECT_EQ(counter, 0) << "merge counters start every step at 0";
+  }
+  EXPECT_EQ(std::memcmp(image.data() + l.requests, plan.requests.data(),
+                        plan.requests.size() * sizeof(RequestInfo)), 0);
   EXPECT_EQ(std::memcmp(image.data() + l.work, plan.work.data(), plan.work.size() * sizeof(WorkItem)), 0);
   EXPECT_EQ(std::memcmp(image.data() + l.merges, plan.merges.data(), plan.merges.size() * sizeof(MergeRow)), 0);
   EXPECT_EQ(std::memcmp(image.data() + l.slot_rows, plan.slot_row_offset.data(),

@@ -7,6 +7,7 @@
 
 #include "core/cuda_check.h"
 #include "kernels/common/vec8.cuh"
+#include "kernels/merge/merge_accumulator.cuh"
 #include "kernels/merge/merge_states.h"
 
 namespace tessera::kernels {
@@ -14,46 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kElemsPerVec = 8;
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// Online merge of states into a running (max LSE, sum of weights, weighted o). States at -inf
-// contribute nothing (their o is never used); a NaN LSE poisons the row, a NaN in an o of a
-// contributing state poisons that element only.
-struct MergeAccumulator {
-  float max_s = -INFINITY;
-  float sum = 0.f;
-  float acc[kElemsPerVec] = {};
-  bool nan = false;
-
-  __device__ void add(float s, const float (&o)[kElemsPerVec]) {
-    if (isnan(s)) nan = true;
-    if (!(s > -INFINITY)) return;
-    if (s > max_s) {
-      const float rescale = exp2f((max_s - s) * kLog2e);  // 0 for the first state
-      sum = fmaf(sum, rescale, 1.f);
-#pragma unroll
-      for (int e = 0; e < kElemsPerVec; ++e) acc[e] = fmaf(acc[e], rescale, o[e]);
-      max_s = s;
-    } else {
-      const float w = exp2f((s - max_s) * kLog2e);
-      sum += w;
-#pragma unroll
-      for (int e = 0; e < kElemsPerVec; ++e) acc[e] = fmaf(w, o[e], acc[e]);
-    }
-  }
-
-  // Writes the merged o into `out` and returns the merged LSE.
-  __device__ float finish(float (&out)[kElemsPerVec]) const {
-    const bool empty = max_s == -INFINITY;
-    const float inv = empty ? 0.f : 1.f / sum;
-#pragma unroll
-    for (int e = 0; e < kElemsPerVec; ++e) out[e] = nan ? NAN : (empty ? 0.f : acc[e] * inv);
-    if (nan) return NAN;
-    return empty ? -INFINITY : max_s + log2f(sum) * kLn2;
-  }
-};
 
 template <bool kStacked>
 __device__ const float* lse_ptr(const MergeStatesParams& p, int i, int row, int head) {
@@ -154,6 +115,90 @@ __global__ void __launch_bounds__(kThreads, sizeof(TIn) == 2 ? 4 : 3) merge_stat
   }
 }
 
+// Two separate 16-bit states in closed form: both LSEs arrive with the o loads and the two weights
+// come straight from them, s = m + log(w_a + w_b) with m = max(s_a, s_b), so no running
+// accumulator is carried and kTwoStateItems vectors per thread (16 bytes of each state) fit the
+// 64-register budget of 4 blocks per SM: more bytes in flight per thread than the general kernel's
+// two (see notes/merge_states.md for the measured choice).
+#ifndef TESSERA_MERGE_TWO_STATE_ITEMS
+#define TESSERA_MERGE_TWO_STATE_ITEMS 3
+#endif
+constexpr int kTwoStateItems = TESSERA_MERGE_TWO_STATE_ITEMS;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 4) merge_two_states_kernel(MergeStatesParams p) {
+  constexpr int kItems = kTwoStateItems;
+  const int vecs_per_row = p.head_dim / kElemsPerVec;
+  const int vecs_per_token = p.heads * vecs_per_row;
+  const int total = p.rows * vecs_per_token;  // < 2^31, checked on the host
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * (kThreads / 32);
+  // Warp-uniform loop (see merge_states_kernel): the threads of one (row, head) share a warp.
+  for (int chunk = warp * 32 * kItems; chunk < total; chunk += num_warps * 32 * kItems) {
+    // Only the loaded values live across the loads; the (row, head, col) of a vector is
+    // recomputed at its store, which keeps kItems = 4 within 64 registers.
+    auto locate = [&](int j, int& row, int& head, int& col) {
+      const int idx = min(chunk + j * 32 + lane, total - 1);  // clamped: loads stay in bounds
+      row = idx / vecs_per_token;
+      const int within = idx - row * vecs_per_token;
+      head = within / vecs_per_row;
+      col = (within - head * vecs_per_row) * kElemsPerVec;
+    };
+    float s_a[kItems], s_b[kItems];
+    Vec8<T> o_a[kItems], o_b[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      int row, head, col;
+      locate(j, row, head, col);
+      // L2 loads, not the read-only path: in place, s_out / o_out alias state a.
+      s_a[j] = __ldcg(lse_ptr<false>(p, 0, row, head));
+      s_b[j] = __ldcg(lse_ptr<false>(p, 1, row, head));
+      o_a[j] = Vec8<T>::load_stream(o_ptr<false, T>(p, 0, row, head, col));
+      o_b[j] = Vec8<T>::load_stream(o_ptr<false, T>(p, 1, row, head, col));
+    }
+    float s_out[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const float sa = s_a[j], sb = s_b[j];
+      const bool nan = isnan(sa) || isnan(sb);
+      const bool has_a = sa > -INFINITY, has_b = sb > -INFINITY;
+      const float m = fmaxf(sa, sb);
+      const float wa = has_a ? exp2f((sa - m) * MergeAccumulator::kLog2e) : 0.f;
+      const float wb = has_b ? exp2f((sb - m) * MergeAccumulator::kLog2e) : 0.f;
+      const float sum = wa + wb;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      float fa[kElemsPerVec], fb[kElemsPerVec], out[kElemsPerVec];
+      o_a[j].to_float(fa);
+      o_b[j].to_float(fb);
+#pragma unroll
+      for (int e = 0; e < kElemsPerVec; ++e) {
+        // A state at -inf contributes nothing, not 0 * its o (which may be NaN or garbage).
+        const float va = has_a ? wa * fa[e] : 0.f;
+        const float vb = has_b ? wb * fb[e] : 0.f;
+        out[e] = nan ? NAN : (va + vb) * inv;
+      }
+      s_out[j] = nan ? NAN : (sum > 0.f ? m + log2f(sum) * MergeAccumulator::kLn2 : -INFINITY);
+      if (chunk + j * 32 + lane < total) {
+        int row, head, col;
+        locate(j, row, head, col);
+        Vec8<T>::from_float(out).store(static_cast<T*>(p.o_out) + row * p.o_out_row +
+                                       head * p.o_out_head + col);
+      }
+    }
+    // In place, s_out is state a's LSE: every lane of the warp has read it by now.
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      int row, head, col;
+      locate(j, row, head, col);
+      if (chunk + j * 32 + lane < total && p.s_out != nullptr && col == 0) {
+        p.s_out[row * p.s_out_row + head * p.s_out_head] = s_out[j];
+      }
+    }
+  }
+}
+
 template <typename TIn, typename TOut>
 void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
   const int64_t total = int64_t(p.rows) * p.heads * (p.head_dim / kElemsPerVec);
@@ -164,6 +209,15 @@ void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
   const int items_per_thread = p.stacked ? 1 : 2;  // kItems of the kernel
   const int64_t wanted = (total + kThreads * items_per_thread - 1) / (kThreads * items_per_thread);
   const int blocks = static_cast<int>(wanted < int64_t(sms) * 8 ? wanted : int64_t(sms) * 8);
+  if constexpr (sizeof(TIn) == 2) {
+    if (!p.stacked && p.num_states == 2) {
+      const int64_t two = (total + kThreads * kTwoStateItems - 1) / (kThreads * kTwoStateItems);
+      const int grid = static_cast<int>(two < int64_t(sms) * 4 ? two : int64_t(sms) * 4);
+      merge_two_states_kernel<TIn><<<grid, kThreads, 0, stream>>>(p);
+      TESSERA_CHECK_LAUNCH();
+      return;
+    }
+  }
   if (p.stacked) {
     merge_states_kernel<true, TIn, TOut><<<blocks, kThreads, 0, stream>>>(p);
   } else {

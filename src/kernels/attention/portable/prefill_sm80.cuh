@@ -12,36 +12,12 @@
 
 #include <cmath>
 
+#include "core/cuda_check.h"
+#include "kernels/attention/logits.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
 
 namespace tessera::kernels::sm80 {
-
-// Logit transforms, applied to the raw q.k of every key. The softmax then works in log2 units:
-// p = 2^(x * log2_scale - max * log2_scale), one FFMA and one EX2 per element (FA2's trick of
-// folding the softmax scale into the exponent).
-struct PlainLogits {
-  static constexpr bool kIdentity = true;
-  float log2_scale;  // scale * log2(e)
-  __host__ __device__ explicit PlainLogits(const PrefillParams& p)
-      : log2_scale(p.scale * 1.4426950408889634f) {}
-  __device__ float operator()(float qk) const { return qk; }
-};
-struct SoftCappedLogits {
-  static constexpr bool kIdentity = false;
-  float pre, cap, log2_scale;  // x = cap * tanh(qk * scale / cap), already scaled
-  __host__ __device__ explicit SoftCappedLogits(const PrefillParams& p)
-      : pre(p.scale / p.soft_cap), cap(p.soft_cap), log2_scale(1.4426950408889634f) {}
-  __device__ float operator()(float qk) const { return cap * tanhf(qk * pre); }
-};
-
-// 2^x with the hardware approximation (2 ulp; subnormal results flush to 0, which only ever
-// affects probabilities below 2^-126).
-__device__ inline float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Tile shapes by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden 2048; see
 // notes/prefill_portable.md): 32 rows per warp beat 16 at hd64 (304 vs 273 TFLOP/s) and at hd128
@@ -161,7 +137,7 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
   }
   cp_async_commit();
 
-  const Logits logits(p);
+  const Logits logits(p.scale, p.soft_cap);
   for (int tile = first_tile; tile < end_tile; ++tile) {
     const int n0 = tile * kBlockN;
     cp_async_wait<0>();
@@ -290,7 +266,9 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
       float l = row_sum[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const bool empty = row_max[mt][r] == -INFINITY || l == 0.f;
+      // Nothing visible gives l == 0; a NaN logit gives l = NaN (and row_max may stay -inf,
+      // since fmaxf skips NaN), which must reach O and LSE rather than read as empty.
+      const bool empty = l == 0.f;
       const float inv_sum = empty ? 0.f : 1.f / l;
       const int row = m0 + tile_row(mt) + g + 8 * r;
       if (row >= qo_len) continue;
@@ -317,7 +295,8 @@ void launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   const dim3 grid(m_tiles, p.batch_size, p.num_qo_heads);
   auto run = [&](auto kernel) {
     if (Config::kSmemBytes > 48 * 1024) {
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes);
+      TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              Config::kSmemBytes));
     }
     kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
   };

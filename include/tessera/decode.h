@@ -1,0 +1,101 @@
+// Batch decode over a paged KV cache, with plan / run (FlashInfer's split between a host planner
+// called once per serving step and a launch called once per layer).
+//
+//   tessera::DecodeConfig cfg;                    // fixed for the engine's lifetime
+//   cfg.num_qo_heads = 32; cfg.num_kv_heads = 8; cfg.head_dim = 128; cfg.page_size = 16;
+//   cfg.max_batch_size = 256;
+//   void* ws; cudaMalloc(&ws, tessera::BatchDecoder::workspace_bytes(cfg));
+//   tessera::BatchDecoder decoder(cfg, ws, tessera::BatchDecoder::workspace_bytes(cfg));
+//   for each step:
+//     decoder.plan(host_qo_indptr, table, stream);          // host work + one async copy
+//     for each layer: decoder.run(q, cache, table, o, lse, stream);
+//
+// Each request has qo_len query tokens (1 for plain decode, up to max_qo_len for speculative
+// verification) that are the last qo_len positions of its sequence; the query heads of one GQA
+// group share every K/V load. Long requests are split into KV chunks processed in parallel and
+// merged (flash-decoding) when the batch alone would not fill the GPU; the plan decides, from the
+// GPU's SM count and the kernel's occupancy.
+//
+// CUDA graphs: every device buffer run() touches in the workspace has a fixed address and size
+// (sized from the config at construction) and run()'s launches have fixed grids, so a run()
+// captured once replays correctly for any later step, provided plan() is called (outside the
+// graph) before each replay and the tensors given to the captured run() keep their addresses.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "tessera/dtype.h"
+#include "tessera/kv_cache.h"
+#include "tessera/stream.h"
+#include "tessera/tensor.h"
+
+namespace tessera {
+
+struct DecodeConfig {
+  int num_qo_heads = 0;
+  int num_kv_heads = 0;       // divides num_qo_heads; group = num_qo_heads / num_kv_heads <= 16
+  int head_dim = 0;           // 64, 128 or 256 (as compiled)
+  int page_size = 0;          // 1..256
+  DType dtype = DType::kBF16; // of q, the pages and o: bf16 or fp16
+  KVLayout layout = KVLayout::kNHD;
+  int max_batch_size = 0;     // requests per step, at most
+  int max_qo_len = 1;         // query tokens per request per step, 1..8
+  bool causal = true;         // bottom-right; only matters when qo_len > 1
+  int window_left = -1;       // >= 0: sliding window (keys j >= i + kv_len - qo_len - window_left)
+  float scale = 0.f;          // 0: 1 / sqrt(head_dim)
+  float soft_cap = 0.f;       // > 0: logits = soft_cap * tanh(scale * q.k / soft_cap)
+};
+
+// What the last plan() decided (for logging and benchmarks).
+struct DecodePlanInfo {
+  int num_work_items = 0;   // CTAs' worth of work
+  int num_split_requests = 0;  // (request, KV head) pairs split into chunks
+  int chunk_tokens = 0;     // chunk length of split requests; 0 when nothing was split
+  int grid_ctas = 0;        // CTAs the decode kernel launches
+};
+
+class BatchDecoder {
+ public:
+  // Device workspace bytes a decoder with this config needs on the current GPU. The caller
+  // allocates it once (any cudaMalloc'ed buffer of at least this size) and keeps it alive.
+  static std::size_t workspace_bytes(const DecodeConfig& config);
+
+  // Validates the config (tessera::Error naming the field and the rule) for the current GPU and
+  // allocates one pinned host staging buffer for the plan. No device allocation.
+  BatchDecoder(const DecodeConfig& config, void* workspace, std::size_t workspace_size);
+  ~BatchDecoder();
+  BatchDecoder(const BatchDecoder&) = delete;
+  BatchDecoder& operator=(const BatchDecoder&) = delete;
+
+  // Once per step, on the host: reads host_qo_indptr ([batch + 1]) and the page table's host
+  // copies (table.host_indptr, host_indices, host_last_page_len are required and checked). With
+  // num_pages >= 0 every page id is also checked to lie in [0, num_pages) and run() then requires
+  // a cache of at least num_pages pages; that check is O(pages) (about 15 us at 32K pages), so an
+  // engine whose allocator already guarantees its ids may pass -1. Balances the work and copies
+  // the plan into the workspace with one cudaMemcpyAsync on `stream`. Waits (on the host) only for
+  // the previous plan's copy to have left the staging buffer.
+  void plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream,
+            int64_t num_pages = -1);
+
+  // Per layer: q [rows, num_qo_heads, head_dim] with rows >= the plan's total_q (request i's rows
+  // start at its qo_indptr[i]; a CUDA-graph user passes fixed max-size buffers), the
+  // cache (layout and dtype of the config; strided pages allowed), the page table the last plan()
+  // saw (only its device kv_indices is read: the rest travels in the plan), o shaped like q in
+  // the config's dtype, and lse [rows, num_qo_heads] fp32 (optional: an empty TensorView). Rows
+  // past the plan's total_q are not written. qo_len may exceed kv_len: rows that see no key give
+  // o = 0 and lse = -inf (so does a request with no KV). Asynchronous on `stream`; no host
+  // synchronisation, no allocation.
+  void run(const TensorView& q, const PagedKVCache& cache, const PageTable& table,
+           const TensorView& o, const TensorView& lse, cudaStream_t stream);
+
+  const DecodeConfig& config() const;
+  DecodePlanInfo last_plan() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tessera

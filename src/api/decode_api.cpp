@@ -1,0 +1,331 @@
+// tessera::BatchDecoder: config validation, plan (host planner + one async copy), run (launch).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "core/arg_check.h"
+#include "core/cuda_check.h"
+#include "dispatch/decode_dispatch.h"
+#include "dispatch/prefill_dispatch.h"
+#include "format/bsr.h"
+#include "plan/decode_plan.h"
+#include "tessera/decode.h"
+
+namespace tessera {
+namespace {
+
+constexpr int kMaxGroup = 16;
+constexpr int kMaxQoLen = 8;
+constexpr int kMaxPageSize = 256;
+
+void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
+  check.head_config(c.num_qo_heads, c.num_kv_heads, c.head_dim, dispatch::compiled_prefill_head_dims());
+  check.require(c.num_qo_heads / c.num_kv_heads <= kMaxGroup, "num_qo_heads",
+                "the GQA group num_qo_heads / num_kv_heads = " +
+                    std::to_string(c.num_qo_heads / c.num_kv_heads) + " exceeds " +
+                    std::to_string(kMaxGroup));
+  check.require(c.dtype == DType::kBF16 || c.dtype == DType::kFP16, "dtype",
+                std::string("must be bf16 or fp16, got ") + dtype_name(c.dtype));
+  check.require(dispatch::decode_compiled(c.dtype, c.head_dim), "dtype",
+                std::string("paged decode for ") + dtype_name(c.dtype) + " head_dim " +
+                    std::to_string(c.head_dim) + " is not compiled in this build");
+  check.require(c.page_size >= 1 && c.page_size <= kMaxPageSize, "page_size",
+                "must be in 1.." + std::to_string(kMaxPageSize) + ", got " + std::to_string(c.page_size));
+  check.require(c.max_batch_size >= 1, "max_batch_size",
+                "must be >= 1, got " + std::to_string(c.max_batch_size));
+  check.require(c.max_qo_len >= 1 && c.max_qo_len <= kMaxQoLen, "max_qo_len",
+                "must be in 1.." + std::to_string(kMaxQoLen) + ", got " + std::to_string(c.max_qo_len));
+  check.require(c.window_left >= -1, "window_left",
+                "must be -1 (no window) or >= 0, got " + std::to_string(c.window_left));
+  check.require(std::isfinite(c.scale) && c.scale >= 0.f, "scale",
+                "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  check.require(std::isfinite(c.soft_cap) && c.soft_cap >= 0.f, "soft_cap",
+                "must be finite and >= 0 (0 means no soft-cap)");
+}
+
+struct GpuShape {
+  int num_sms = 0;
+  int ctas_per_sm = 0;
+};
+
+GpuShape current_gpu_shape(const DecodeConfig& c) {
+  int device = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  GpuShape g;
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&g.num_sms, cudaDevAttrMultiProcessorCount, device));
+  g.ctas_per_sm = dispatch::decode_ctas_per_sm(c.dtype, c.head_dim);
+  if (g.ctas_per_sm < 1) {
+    throw Error("tessera::BatchDecoder: the decode kernel cannot be resident on this GPU "
+                "(occupancy 0 for its shared memory and registers)");
+  }
+  return g;
+}
+
+plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
+  plan::PlanCapacity cap;
+  cap.max_batch_size = c.max_batch_size;
+  cap.max_qo_len = c.max_qo_len;
+  cap.num_qo_heads = c.num_qo_heads;
+  cap.num_kv_heads = c.num_kv_heads;
+  cap.head_dim = c.head_dim;
+  cap.num_sms = g.num_sms;
+  cap.ctas_per_sm = g.ctas_per_sm;
+  return cap;
+}
+
+// Division by a runtime page size on the device: shift = ceil(log2 d),
+// magic = floor(2^32 (2^shift - d) / d) + 1; then n / d = (umulhi(n, magic) + n) >> shift for
+// 0 <= n < 2^31.
+struct FastDivisor {
+  unsigned magic;
+  int shift;
+};
+FastDivisor fast_divisor(uint32_t d) {
+  int shift = 0;
+  while ((uint64_t(1) << shift) < d) ++shift;
+  const uint64_t magic = ((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1;
+  return {static_cast<unsigned>(magic), shift};
+}
+
+}  // namespace
+
+struct BatchDecoder::Impl {
+  DecodeConfig config;
+  GpuShape gpu;
+  plan::DecodePlanner planner;
+  unsigned char* workspace = nullptr;
+  void* staging = nullptr;         // pinned host image of the plan
+  cudaEvent_t copied = nullptr;    // the staging buffer's last copy has completed
+  bool planned = false;
+  int device = 0;
+  // What run() checks its arguments against.
+  int32_t batch_size = 0;
+  int64_t total_q = 0;
+  int64_t total_pages = 0;
+  int64_t checked_num_pages = -1;  // the cache size plan() checked the page ids against, or -1
+  DecodePlanInfo info;
+
+  Impl(const DecodeConfig& c, const GpuShape& g) : config(c), gpu(g), planner(capacity_for(c, g)) {}
+  ~Impl() {
+    if (copied) cudaEventDestroy(copied);
+    if (staging) cudaFreeHost(staging);
+  }
+};
+
+std::size_t BatchDecoder::workspace_bytes(const DecodeConfig& config) {
+  const detail::ArgCheck check("BatchDecoder::workspace_bytes");
+  validate_config(check, config);
+  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config))).workspace_bytes();
+}
+
+BatchDecoder::BatchDecoder(const DecodeConfig& config, void* workspace, std::size_t workspace_size) {
+  const detail::ArgCheck check("BatchDecoder");
+  validate_config(check, config);
+  impl_ = std::make_unique<Impl>(config, current_gpu_shape(config));
+  const std::size_t needed = impl_->planner.workspace_bytes();
+  check.require(workspace != nullptr, "workspace", "must not be null");
+  check.require(workspace_size >= needed, "workspace_size",
+                std::to_string(workspace_size) + " bytes is less than the " + std::to_string(needed) +
+                    " this config needs (BatchDecoder::workspace_bytes)");
+  check.require(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, "workspace",
+                "must be 256-byte aligned (cudaMalloc's alignment)");
+  cudaPointerAttributes attr{};
+  const bool device_memory = cudaPointerGetAttributes(&attr, workspace) == cudaSuccess &&
+                             (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
+  cudaGetLastError();
+  check.require(device_memory, "workspace", "must be device memory (cudaMalloc)");
+  TESSERA_CUDA_CHECK(cudaGetDevice(&impl_->device));
+  impl_->workspace = static_cast<unsigned char*>(workspace);
+  TESSERA_CUDA_CHECK(cudaMallocHost(&impl_->staging, impl_->planner.layout().plan_bytes));
+  TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&impl_->copied, cudaEventDisableTiming));
+}
+
+BatchDecoder::~BatchDecoder() = default;
+
+const DecodeConfig& BatchDecoder::config() const { return impl_->config; }
+DecodePlanInfo BatchDecoder::last_plan() const { return impl_->info; }
+
+void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream,
+                        int64_t num_pages) {
+  const detail::ArgCheck check("BatchDecoder::plan");
+  Impl& im = *impl_;
+  check.require(host_qo_indptr != nullptr, "host_qo_indptr", "is required");
+  check.require(table.host_indptr != nullptr, "host_indptr", "is required (a host copy of kv_indptr)");
+  check.require(table.host_indices != nullptr, "host_indices", "is required (a host copy of kv_indices)");
+  check.require(table.host_last_page_len != nullptr, "host_last_page_len",
+                "is required (a host copy of kv_last_page_len)");
+  check.require(table.indptr.rank == 1 && table.indptr.size(0) >= 1, "kv_indptr",
+                "must be 1-D with batch_size + 1 >= 1 entries");
+  const int64_t batch = table.batch_size();
+  check.require(batch <= im.config.max_batch_size, "kv_indptr",
+                "batch size " + std::to_string(batch) + " exceeds the decoder's max_batch_size " +
+                    std::to_string(im.config.max_batch_size));
+  const auto bsr = format::bsr_from_page_table(im.config.page_size, static_cast<int32_t>(batch),
+                                               table.host_indptr, table.host_indices,
+                                               table.host_last_page_len);
+  const std::string bad = format::check_bsr(bsr, num_pages);
+  if (!bad.empty()) {
+    const auto colon = bad.find(':');
+    const bool named = colon != std::string::npos && bad.compare(0, 3, "kv_") == 0;
+    check.fail(named ? bad.substr(0, colon).c_str() : "kv_indptr",
+               named ? bad.substr(colon + 2) : bad);
+  }
+  check.indptr_host(host_qo_indptr, batch + 1, "qo_indptr", INT32_MAX, /*exact_end=*/false);
+
+  const int64_t total_pages = table.host_indptr[batch];
+
+  const plan::Plan& plan = im.planner.plan(bsr, host_qo_indptr);
+
+  // The staging buffer may still be read by the previous step's copy.
+  TESSERA_CUDA_CHECK(cudaEventSynchronize(im.copied));
+  im.planner.write_image(im.staging);
+  TESSERA_CUDA_CHECK(cudaMemcpyAsync(im.workspace, im.staging, im.planner.layout().plan_bytes,
+                                     cudaMemcpyHostToDevice, stream));
+  TESSERA_CUDA_CHECK(cudaEventRecord(im.copied, stream));
+
+  im.planned = true;
+  im.batch_size = static_cast<int32_t>(batch);
+  im.total_q = host_qo_indptr[batch];
+  im.total_pages = total_pages;
+  im.checked_num_pages = num_pages;
+  im.info.num_work_items = static_cast<int>(plan.work.size());
+  im.info.num_split_requests = static_cast<int>(plan.merges.size());
+  im.info.chunk_tokens = plan.chunk_tokens;
+  im.info.grid_ctas = static_cast<int>(plan.work.size());
+}
+
+void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const PageTable& table,
+                       const TensorView& o, const TensorView& lse, cudaStream_t stream) {
+  const detail::ArgCheck check("BatchDecoder::run");
+  const Impl& im = *impl_;
+  const DecodeConfig& c = im.config;
+  check.require(im.planned, "plan", "run() needs a plan(): call plan() once per step first");
+
+  check.tensor(q, "q", 3);
+  check.tensor(o, "o", 3);
+  check.dtype(q, "q", {c.dtype});
+  check.dtype(o, "o", {c.dtype});
+  check.dim(q, "q", 1, c.num_qo_heads, "num_qo_heads of the config");
+  check.dim(q, "q", 2, c.head_dim, "head_dim of the config");
+  check.same_shape(q, "q", o, "o");
+  check.require(q.size(0) >= im.total_q, "q",
+                "has " + std::to_string(q.size(0)) + " rows but the plan's qo_indptr ends at " +
+                    std::to_string(im.total_q));
+  check.vectorizable_rows(q, "q");
+  check.vectorizable_rows(o, "o");
+
+  check.tensor(cache.k_pages, "k_pages", 4);
+  check.tensor(cache.v_pages, "v_pages", 4);
+  check.dtype(cache.k_pages, "k_pages", {c.dtype});
+  check.dtype(cache.v_pages, "v_pages", {c.dtype});
+  check.same_shape(cache.k_pages, "k_pages", cache.v_pages, "v_pages");
+  check.require(cache.layout == c.layout, "cache",
+                std::string("layout ") + kv_layout_name(cache.layout) +
+                    " differs from the config's " + kv_layout_name(c.layout));
+  check.require(cache.page_size() == c.page_size, "k_pages",
+                "page_size " + std::to_string(cache.page_size()) + " differs from the config's " +
+                    std::to_string(c.page_size));
+  check.require(cache.num_kv_heads() == c.num_kv_heads, "k_pages",
+                "num_kv_heads " + std::to_string(cache.num_kv_heads()) +
+                    " differs from the config's " + std::to_string(c.num_kv_heads));
+  check.require(cache.head_dim() == c.head_dim, "k_pages",
+                "head_dim " + std::to_string(cache.head_dim()) + " differs from the config's " +
+                    std::to_string(c.head_dim));
+  check.vectorizable_rows(cache.k_pages, "k_pages");
+  check.vectorizable_rows(cache.v_pages, "v_pages");
+  check.require(im.checked_num_pages < 0 || cache.num_pages() >= im.checked_num_pages, "k_pages",
+                "holds " + std::to_string(cache.num_pages()) + " pages but plan() checked the page ids "
+                "against " + std::to_string(im.checked_num_pages));
+  check.index_array(table.indices, "kv_indices");
+  check.require(table.indices.size(0) >= im.total_pages, "kv_indices",
+                "has " + std::to_string(table.indices.size(0)) + " entries but the plan's page table uses " +
+                    std::to_string(im.total_pages));
+
+  if (!lse.empty_view()) {
+    check.tensor(lse, "lse", 2);
+    check.dtype(lse, "lse", {DType::kFP32});
+    check.require(lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
+                  "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
+                      std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
+    check.output_layout(lse, "lse");
+    check.disjoint(lse, "lse", o, "o");
+  }
+  check.output_layout(o, "o");
+  for (auto [in, name] : {std::pair{&q, "q"}, {&cache.k_pages, "k_pages"}, {&cache.v_pages, "v_pages"}}) {
+    check.disjoint(o, "o", *in, name);
+    if (!lse.empty_view()) check.disjoint(lse, "lse", *in, name);
+  }
+  int device = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  check.require(device == im.device, "stream",
+                "the current device (" + std::to_string(device) + ") is not the decoder's (" +
+                    std::to_string(im.device) + ")");
+
+  const plan::WorkspaceLayout& layout = im.planner.layout();
+  kernels::DecodeParams p;
+  p.q = q.data;
+  p.q_stride_row = q.stride[0];
+  p.q_stride_head = q.stride[1];
+  p.o = o.data;
+  p.o_stride_row = o.stride[0];
+  p.o_stride_head = o.stride[1];
+  if (!lse.empty_view()) {
+    p.lse = static_cast<float*>(lse.data);
+    p.lse_stride_row = lse.stride[0];
+    p.lse_stride_head = lse.stride[1];
+  }
+  for (const TensorView* t : {&cache.k_pages, &cache.v_pages}) {
+    for (int d = 0; d < 3; ++d) {
+      check.require(t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
+                    t == &cache.k_pages ? "k_pages" : "v_pages",
+                    "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
+                        " must be in 0..2^31 - 1 (one page must span less than 2^31 elements)");
+    }
+  }
+  const bool nhd = cache.layout == KVLayout::kNHD;
+  p.k_pages = cache.k_pages.data;
+  p.v_pages = cache.v_pages.data;
+  p.k_stride_page = static_cast<int32_t>(cache.k_pages.stride[0]);
+  p.k_stride_token = static_cast<int32_t>(cache.k_pages.stride[nhd ? 1 : 2]);
+  p.k_stride_head = static_cast<int32_t>(cache.k_pages.stride[nhd ? 2 : 1]);
+  p.v_stride_page = static_cast<int32_t>(cache.v_pages.stride[0]);
+  p.v_stride_token = static_cast<int32_t>(cache.v_pages.stride[nhd ? 1 : 2]);
+  p.v_stride_head = static_cast<int32_t>(cache.v_pages.stride[nhd ? 2 : 1]);
+  p.kv_indices = static_cast<const int32_t*>(table.indices.data);
+  p.page_size = c.page_size;
+  const FastDivisor div = fast_divisor(static_cast<uint32_t>(c.page_size));
+  p.page_magic = div.magic;
+  p.page_shift = div.shift;
+  unsigned char* ws = im.workspace;
+  p.header = reinterpret_cast<const plan::PlanHeader*>(ws + layout.header);
+  p.work = reinterpret_cast<const plan::WorkItem*>(ws + layout.work);
+  p.requests = reinterpret_cast<const plan::RequestInfo*>(ws + layout.requests);
+  p.merges = reinterpret_cast<const plan::MergeRow*>(ws + layout.merges);
+  p.slot_rows = reinterpret_cast<const int64_t*>(ws + layout.slot_rows);
+  p.partial_o = reinterpret_cast<float*>(ws + layout.partial_o);
+  p.partial_lse = reinterpret_cast<float*>(ws + layout.partial_lse);
+  p.merge_counters = reinterpret_cast<int32_t*>(ws + layout.merge_counters);
+  p.num_qo_heads = c.num_qo_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.causal = c.causal;
+  p.window_left = c.window_left;
+  p.scale = c.scale > 0.f ? c.scale : 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  p.soft_cap = c.soft_cap;
+
+  // Eager launches are sized to this step's plan; a captured run() gets the grids of the largest
+  // plan the capacity allows (the kernels read the step's counts from the workspace), so one
+  // graph replays any later step.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  kernels::DecodeLaunch launch;
+  // One CTA per work item, not a persistent loop: the hardware hands items to SMs as they free
+  // up, which balances unequal items, and a CTA's start-up overlaps the others' streaming.
+  launch.decode_ctas = capture != cudaStreamCaptureStatusNone ? im.planner.max_work_items()
+                                                               : im.info.num_work_items;
+  dispatch::launch_decode(c.dtype, c.head_dim, p, launch, stream);
+}
+
+}  // namespace tessera

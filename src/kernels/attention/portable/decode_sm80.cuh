@@ -1,0 +1,482 @@
+// Paged decode attention (sm_80+), driven by the decode planner's work list.
+//
+// One CTA takes one work item: one request's query rows for one KV head over a KV token range
+// [kv_begin, kv_end). The rows are the request's qo_len x group query heads of that KV head, packed
+// into one m16 tile (r = query_token * group + head_in_group), so every K/V byte is read once per
+// group. K and V stream through a ring of kStages shared-memory stages (cp.async, 32 KB per stage)
+// gathered from pages: each 16-byte chunk finds its page through the page table, whose ids for the
+// next stage are loaded into registers one stage ahead so their latency stays off the copy issue.
+// Each warp owns 16 keys of every stage (S = Q K^T, online softmax and O += P V with mma.sync on its
+// own keys); at the end the warps' partial states are combined through shared memory and written
+// as O / LSE, or as fp32 partial states of a split request, which the CTA that finishes the
+// request's last chunk merges.
+// Decode is bandwidth-bound: the tensor cores only keep the per-key math off the critical path.
+// More than 16 rows (GQA groups x verification tokens) run as several passes over the KV range.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "core/cuda_check.h"
+#include "kernels/attention/decode_params.h"
+#include "kernels/attention/logits.cuh"
+#include "kernels/common/mma_sm80.cuh"
+#include "kernels/common/vec8.cuh"
+#include "kernels/merge/merge_accumulator.cuh"
+
+namespace tessera::kernels::sm80 {
+
+template <int kHeadDim>
+struct DecodeTileConfig {
+  static constexpr int kBlockN = 8192 / kHeadDim;  // keys per stage: K + V tiles are 32 KB
+  static constexpr int kWarps = kBlockN / 16;      // each warp owns 16 keys of every stage
+  static constexpr int kThreads = kWarps * 32;
+#ifndef TESSERA_DECODE_STAGES
+#define TESSERA_DECODE_STAGES 3
+#endif
+#ifndef TESSERA_DECODE_MIN_BLOCKS
+#define TESSERA_DECODE_MIN_BLOCKS 2
+#endif
+  static constexpr int kStages = TESSERA_DECODE_STAGES;
+  static constexpr int kMinBlocksPerSM = TESSERA_DECODE_MIN_BLOCKS;
+  static constexpr int kRows = 16;                 // query rows per pass: one m16 tile
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one K/V/Q row
+  // A thread copies one chunk column of kRowsPerThread rows, kRowStep apart, of each stage.
+  static constexpr int kRowStep = kThreads / kChunksPerRow;
+  static constexpr int kRowsPerThread = kBlockN / kRowStep;
+  static constexpr int kScratchStride = kHeadDim + 8;  // fp32 combine rows, padded against bank conflicts
+  static constexpr int kQBytes = kRows * kHeadDim * 2;
+  static constexpr int kStageBytes = 2 * kBlockN * kHeadDim * 2;
+  static constexpr int kStatBytes = 2 * kWarps * kRows * 4;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kStatBytes;
+  // Q fragments live in registers across the KV loop up to hd128 (32 registers); at hd256 the O
+  // accumulators alone take 128, so Q is re-read from shared memory.
+  static constexpr bool kQInRegisters = kHeadDim <= 128;
+  static_assert(kThreads % kChunksPerRow == 0 && kBlockN % kRowStep == 0, "copy layout");
+  static_assert(kWarps * kRows * kScratchStride * 4 <= kStages * kStageBytes &&
+                    kThreads * 11 * 4 <= kStages * kStageBytes,
+                "the combine and merge scratch reuse the stages");
+};
+
+// token / page_size without a division: (umulhi(token, magic) + token) >> shift, exact for any
+// page size 1..2^31 and token < 2^31 (Granlund-Montgomery; magic and shift come from the host).
+// Branch-free, 3 instructions: the copy loop computes it for every row of every stage.
+__device__ inline int page_index(const DecodeParams& p, int token) {
+  const unsigned t = static_cast<unsigned>(token);
+  return static_cast<int>((__umulhi(t, p.page_magic) + t) >> p.page_shift);
+}
+
+// Merges the chunk partials of one split (request, KV head) into O / LSE: run by the CTA that
+// finished the request's last chunk. Each (query row, 8-element vector) pair is accumulated by
+// `lanes` threads over interleaved slots (four loads in flight per thread), folded through shared
+// memory. Fixed order of slots and folds: the result does not depend on which CTA merges.
+template <typename T, int kHeadDim, int kThreads>
+__device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow& m,
+                                     const plan::RequestInfo& req, int group, float* scratch) {
+  constexpr int kVecs = kHeadDim / 8;
+  constexpr int kBatch = 4;
+  constexpr int kStash = 3 + MergeAccumulator::kElems;  // max, sum, nan, acc[8]
+  const int rows = req.qo_len * group;
+  const int pairs = rows * kVecs;
+  const int lanes = pairs >= kThreads ? 1 : kThreads / pairs;
+  const int per_round = kThreads / lanes;
+  const int64_t first_row = p.slot_rows[m.first_slot];
+  for (int base = 0; base < pairs; base += per_round) {
+    const int u = base + threadIdx.x % per_round;
+    const int lane = threadIdx.x / per_round;
+    const bool active = u < pairs && lane < lanes;
+    const int rr = u / kVecs, col = (u % kVecs) * 8;
+    MergeAccumulator acc;
+    if (active) {
+      for (int s0 = lane; s0 < m.num_slots; s0 += lanes * kBatch) {
+        float lse[kBatch];
+        float4 lo[kBatch], hi[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int slot = s0 + b * lanes < m.num_slots ? s0 + b * lanes : s0;
+          const int64_t prow = first_row + int64_t(slot) * rows + rr;
+          lse[b] = __ldcg(p.partial_lse + prow);
+          const float4* src = reinterpret_cast<const float4*>(p.partial_o + prow * kHeadDim + col);
+          lo[b] = __ldcg(src);
+          hi[b] = __ldcg(src + 1);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          if (s0 + b * lanes >= m.num_slots) break;
+          const float o[8] = {lo[b].x, lo[b].y, lo[b].z, lo[b].w, hi[b].x, hi[b].y, hi[b].z, hi[b].w};
+          acc.add(lse[b], o);
+        }
+      }
+    }
+    if (lanes > 1) {  // uniform over the CTA
+      float* mine = scratch + threadIdx.x * kStash;
+      mine[0] = acc.max_s;
+      mine[1] = acc.sum;
+      mine[2] = acc.nan ? 1.f : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mine[3 + e] = acc.acc[e];
+      __syncthreads();
+      if (active && lane == 0) {
+        for (int i = 1; i < lanes; ++i) {
+          const float* theirs = scratch + (i * per_round + threadIdx.x % per_round) * kStash;
+          MergeAccumulator other;
+          other.max_s = theirs[0];
+          other.sum = theirs[1];
+          other.nan = theirs[2] != 0.f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) other.acc[e] = theirs[3 + e];
+          acc.combine(other);
+        }
+      }
+      __syncthreads();
+    }
+    if (active && lane == 0) {
+      float out[8];
+      const float lse = acc.finish(out);
+      const int64_t q_row = req.q_start + rr / group;
+      const int head = m.kv_head * group + rr % group;
+      Vec8<T>::from_float(out).store(static_cast<T*>(p.o) + q_row * p.o_stride_row +
+                                     head * p.o_stride_head + col);
+      if (p.lse != nullptr && col == 0) p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = lse;
+    }
+  }
+}
+
+template <typename T, int kHeadDim, typename Logits>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
+                                  DecodeTileConfig<kHeadDim>::kMinBlocksPerSM)
+    decode_sm80_kernel(const DecodeParams p) {
+  using Cfg = DecodeTileConfig<kHeadDim>;
+  constexpr int kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
+  constexpr int kRows = Cfg::kRows, kChunksPerRow = Cfg::kChunksPerRow;
+  constexpr int kDTiles = kHeadDim / 8;   // O accumulator tiles of 8 dims
+  constexpr int kKSteps = kHeadDim / 16;  // k-steps of Q K^T
+  using KVTile = SwizzledTile<T, kBlockN, kHeadDim>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const SwizzledTile<T, kRows, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
+  auto k_tile = [&](int stage) {
+    return KVTile{reinterpret_cast<T*>(smem + Cfg::kQBytes + stage * Cfg::kStageBytes)};
+  };
+  auto v_tile = [&](int stage) { return KVTile{k_tile(stage).base + kBlockN * kHeadDim}; };
+  float* scratch = reinterpret_cast<float*>(smem + Cfg::kQBytes);  // after the KV loop only
+  float* stat_max = reinterpret_cast<float*>(smem + Cfg::kQBytes + kStages * Cfg::kStageBytes);
+  float* stat_sum = stat_max + Cfg::kWarps * kRows;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int copy_col = (threadIdx.x % kChunksPerRow) * 8;
+  const int copy_row = threadIdx.x / kChunksPerRow;
+  const int group = p.num_qo_heads / p.num_kv_heads;
+  const Logits logits(p.scale, p.soft_cap);
+  const LdmatrixLane<T, kRows, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+
+  const int num_work = p.header->num_work;
+  for (int item = blockIdx.x; item < num_work; item += gridDim.x) {
+    const plan::WorkItem w = p.work[item];
+    const plan::RequestInfo req = p.requests[w.request];
+    const int rows = req.qo_len * group;
+    const int offset = req.kv_len - req.qo_len;  // bottom-right alignment
+    const int32_t* pages = p.kv_indices + req.page_begin;
+    const T* k_head = static_cast<const T*>(p.k_pages) + w.kv_head * p.k_stride_head + copy_col;
+    const T* v_head = static_cast<const T*>(p.v_pages) + w.kv_head * p.v_stride_head + copy_col;
+
+    for (int r0 = 0; r0 < rows; r0 += kRows) {
+      // The keys any row of this pass sees, within the item's range.
+      const int qi_first = r0 / group, qi_last = (min(r0 + kRows, rows) - 1) / group;
+      int begin = w.kv_begin, end = w.kv_end;
+      if (p.window_left >= 0) begin = max(begin, qi_first + offset - p.window_left);
+      if (p.causal) end = min(end, qi_last + offset + 1);
+      const int num_tiles = end > begin ? (end - begin + kBlockN - 1) / kBlockN : 0;
+
+      // Q rows r0 .. r0 + 15 (zeros past the request's rows); they join the first stage's group.
+#pragma unroll
+      for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+        const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+        const int rr = r0 + row;
+        const bool valid = rr < rows;
+        const T* src = static_cast<const T*>(p.q) +
+                       (valid ? int64_t(req.q_start + rr / group) * p.q_stride_row +
+                                    int64_t(w.kv_head * group + rr % group) * p.q_stride_head
+                              : 0) +
+                       col;
+        cp_async_16(q_tile.at(row, col), src, valid);
+      }
+
+      // The page ids of this thread's rows of a tile, and the copies of a tile into its stage.
+      // Branch-free: rows past `end` read the last valid row's address and copy zeros (cp.async
+      // with 0 source bytes), so the per-row address math stays a handful of integer ops: the
+      // copy loop is most of the kernel's instructions (measured: integer ops were 600 of 950
+      // instructions per tile before it was made branch-free with 32-bit strides).
+      int page_ids[Cfg::kRowsPerThread];
+      auto fetch_pages = [&](int tile) {
+        const int n0 = begin + tile * kBlockN;
+#pragma unroll
+        for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+          const int token = min(n0 + copy_row + i * Cfg::kRowStep, end - 1);
+          page_ids[i] = __ldg(pages + page_index(p, token));
+        }
+      };
+      auto issue = [&](int tile) {
+        const int n0 = begin + tile * kBlockN;
+        const KVTile kt = k_tile(tile % kStages), vt = v_tile(tile % kStages);
+#pragma unroll
+        for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+          const int row = copy_row + i * Cfg::kRowStep;
+          const bool valid = n0 + row < end;
+          const int token = min(n0 + row, end - 1);
+          const int slot = token - page_index(p, token) * p.page_size;
+          const T* k_src = k_head + int64_t(page_ids[i]) * p.k_stride_page +
+                             int64_t(slot) * p.k_stride_token;
+          const T* v_src = v_head + int64_t(page_ids[i]) * p.v_stride_page +
+                             int64_t(slot) * p.v_stride_token;
+          cp_async_16(kt.at(row, copy_col), k_src, valid);
+          cp_async_16(vt.at(row, copy_col), v_src, valid);
+        }
+      };
+
+      // Prologue: tiles 0 .. kStages - 2 in flight (one commit group each, Q in the first), and
+      // the page ids of the next tile to issue in registers.
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < num_tiles) {
+          fetch_pages(s);
+          issue(s);
+        }
+        cp_async_commit();
+      }
+      if (kStages - 1 < num_tiles) fetch_pages(kStages - 1);
+      // The query token of this lane's two rows (g and g + 8), for the per-key mask.
+      const int lane_qi[2] = {min(r0 + g, rows - 1) / group, min(r0 + g + 8, rows - 1) / group};
+      float o_acc[kDTiles][4] = {};
+      float row_max[2] = {-INFINITY, -INFINITY};  // raw logits; scaled into log2 units when used
+      float row_sum[2] = {0.f, 0.f};              // this lane's partial sums
+      uint32_t q_frag[Cfg::kQInRegisters ? kKSteps : 1][4];
+
+      for (int tile = 0; tile < num_tiles; ++tile) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // tile (and Q) landed; every warp is done with tile - 1's stage
+        const int refill = tile + kStages - 1;
+        if (refill < num_tiles) issue(refill);  // into tile - 1's stage
+        cp_async_commit();
+        if (refill + 1 < num_tiles) fetch_pages(refill + 1);  // lands while this tile computes
+        if constexpr (Cfg::kQInRegisters) {
+          if (tile == 0) {
+#pragma unroll
+            for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[ks], q_lane.at(0, ks));
+          }
+        }
+
+        const int n0 = begin + tile * kBlockN;
+        const KVTile kt = k_tile(tile % kStages), vt = v_tile(tile % kStages);
+        const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(kt, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+        const LdmatrixLane<T, kBlockN, kHeadDim> v_lane(vt, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+
+        // S = Q K^T over this warp's 16 keys: two 8-key accumulator tiles.
+        float s[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_lane.at(warp * 16, ks));
+          if constexpr (Cfg::kQInRegisters) {
+            mma_16816<T>(s[0], q_frag[ks], b[0], b[1]);
+            mma_16816<T>(s[1], q_frag[ks], b[2], b[3]);
+          } else {
+            uint32_t a[4];
+            ldmatrix_x4(a, q_lane.at(0, ks));
+            mma_16816<T>(s[0], a, b[0], b[1]);
+            mma_16816<T>(s[1], a, b[2], b[3]);
+          }
+        }
+
+        if constexpr (!Logits::kIdentity) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = logits(s[j][e]);
+        }
+        // Per-key masking only on tiles that cross the range's end or a row's band edge.
+        const bool needs_mask = n0 + kBlockN > end ||
+                                (p.causal && n0 + kBlockN - 1 > qi_first + offset) ||
+                                (p.window_left >= 0 && n0 < qi_last + offset - p.window_left);
+        if (needs_mask) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = n0 + warp * 16 + j * 8 + 2 * t + (e & 1);
+              const int qi = lane_qi[e / 2];
+              const bool visible = key < end && (!p.causal || key <= qi + offset) &&
+                                   (p.window_left < 0 || key >= qi + offset - p.window_left);
+              if (!visible) s[j][e] = -INFINITY;
+            }
+          }
+        }
+
+        // Online softmax over this warp's keys (rows g and g + 8; the 4 lanes of a row share them).
+        float rescale[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float m = fmaxf(row_max[r], fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]),
+                                            fmaxf(s[1][2 * r], s[1][2 * r + 1])));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
+          rescale[r] = exp2_approx(row_max[r] * logits.log2_scale - m_scaled);
+          row_max[r] = m;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              s[j][e] = exp2_approx(fmaf(s[j][e], logits.log2_scale, -m_scaled));
+              sum += s[j][e];
+            }
+          }
+          row_sum[r] = row_sum[r] * rescale[r] + sum;
+        }
+        // Once the running maxima settle (after the first tiles), no row's max moves and the
+        // kHeadDim / 2 multiplies of the O rescale are skipped (warp-uniform test).
+        if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+          for (int d = 0; d < kDTiles; ++d) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[d][e] *= rescale[e / 2];
+          }
+        }
+
+        // O += P V: P straight from the S accumulators (one k16 A tile of 16 keys).
+        uint32_t a[4];
+        a[0] = pack2<T>(s[0][0], s[0][1]);
+        a[1] = pack2<T>(s[0][2], s[0][3]);
+        a[2] = pack2<T>(s[1][0], s[1][1]);
+        a[3] = pack2<T>(s[1][2], s[1][3]);
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_lane.at(warp * 16, dp));
+          mma_16816<T>(o_acc[2 * dp], a, b[0], b[1]);
+          mma_16816<T>(o_acc[2 * dp + 1], a, b[2], b[3]);
+        }
+      }
+      cp_async_wait<0>();
+      __syncthreads();  // every warp is done with the stages: the combine scratch reuses them
+
+      // Each warp's state (max in log2 units, sum, unnormalised O) into shared memory.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = row_sum[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int row = warp * kRows + g + 8 * r;
+        if (t == 0) {
+          stat_max[row] = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * logits.log2_scale;
+          stat_sum[row] = l;
+        }
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + d * 8 + 2 * t) =
+              make_float2(o_acc[d][2 * r], o_acc[d][2 * r + 1]);
+        }
+      }
+      __syncthreads();
+
+      // Combine the warps: a warp contributes when its sum is not 0 (a NaN sum contributes and
+      // poisons the row); no contributor means no visible key: O = 0, LSE = -inf.
+      for (int u = threadIdx.x; u < kRows * kChunksPerRow; u += kThreads) {
+        const int row = u / kChunksPerRow, col = (u % kChunksPerRow) * 8;
+        const int rr = r0 + row;
+        if (rr >= rows) continue;
+        float m = -INFINITY;
+#pragma unroll
+        for (int wi = 0; wi < Cfg::kWarps; ++wi) {
+          if (stat_sum[wi * kRows + row] != 0.f) m = fmaxf(m, stat_max[wi * kRows + row]);
+        }
+        float l = 0.f, acc[8] = {};
+#pragma unroll
+        for (int wi = 0; wi < Cfg::kWarps; ++wi) {
+          const float sw = stat_sum[wi * kRows + row];
+          if (sw == 0.f) continue;
+          const float weight = exp2_approx(stat_max[wi * kRows + row] - m);
+          l = fmaf(weight, sw, l);
+          const float* o_w = scratch + (wi * kRows + row) * Cfg::kScratchStride + col;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, o_w[e], acc[e]);
+        }
+        const bool empty = l == 0.f;
+        const float inv = empty ? 0.f : 1.f / l;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= inv;
+        const float lse = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;
+        if (w.partial_slot < 0) {
+          const int64_t q_row = req.q_start + rr / group;
+          const int head = w.kv_head * group + rr % group;
+          Vec8<T>::from_float(acc).store(static_cast<T*>(p.o) + q_row * p.o_stride_row +
+                                         head * p.o_stride_head + col);
+          if (p.lse != nullptr && col == 0) {
+            p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = lse;
+          }
+        } else {
+          const int64_t prow = p.slot_rows[w.partial_slot] + rr;
+          Vec8<float>::from_float(acc).store(p.partial_o + prow * kHeadDim + col);
+          if (col == 0) p.partial_lse[prow] = lse;
+        }
+      }
+      __syncthreads();  // the scratch and the Q tile are refilled by the next pass
+    }
+
+    if (w.partial_slot >= 0) {
+      // Split request: the CTA that finishes its last chunk merges all of them (the classic
+      // fence-then-count pattern), so no second kernel and no launch gap follow the decode.
+      __shared__ int merges_here;
+      __threadfence();  // this CTA's partials are visible device-wide before it is counted
+      __syncthreads();
+      const plan::MergeRow m = p.merges[w.merge];
+      if (threadIdx.x == 0) merges_here = atomicAdd(p.merge_counters + w.merge, 1) == m.num_slots - 1;
+      __syncthreads();
+      if (merges_here) {
+        __threadfence();
+        merge_chunk_partials<T, kHeadDim, kThreads>(p, m, req, group, scratch);
+        if (threadIdx.x == 0) p.merge_counters[w.merge] = 0;  // ready for the next layer's run()
+        __syncthreads();  // the scratch is refilled by the next item
+      }
+    }
+  }
+}
+
+template <typename T, int kHeadDim, typename Logits>
+auto decode_kernel_ready() {
+  using Cfg = DecodeTileConfig<kHeadDim>;
+  auto kernel = decode_sm80_kernel<T, kHeadDim, Logits>;
+  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          Cfg::kSmemBytes));
+  return kernel;
+}
+
+template <typename T, int kHeadDim>
+void launch_decode(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
+  using Cfg = DecodeTileConfig<kHeadDim>;
+  if (launch.decode_ctas > 0) {
+    if (p.soft_cap > 0.f) {
+      decode_kernel_ready<T, kHeadDim, SoftCappedLogits>()<<<launch.decode_ctas, Cfg::kThreads,
+                                                             Cfg::kSmemBytes, stream>>>(p);
+    } else {
+      decode_kernel_ready<T, kHeadDim, PlainLogits>()<<<launch.decode_ctas, Cfg::kThreads,
+                                                        Cfg::kSmemBytes, stream>>>(p);
+    }
+    TESSERA_CHECK_LAUNCH();
+  }
+}
+
+// Resident decode CTAs per SM on the current GPU (what the planner balances a wave for).
+template <typename T, int kHeadDim>
+int decode_ctas_per_sm() {
+  using Cfg = DecodeTileConfig<kHeadDim>;
+  int blocks = 0;
+  TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, decode_kernel_ready<T, kHeadDim, PlainLogits>(), Cfg::kThreads, Cfg::kSmemBytes));
+  return blocks;
+}
+
+}  // namespace tessera::kernels::sm80

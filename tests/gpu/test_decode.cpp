@@ -1,0 +1,944 @@
+// BatchDecoder (paged decode, plan / run) on the GPU against the fp64 CPU reference, with the
+// tolerance rule of docs/CONVENTIONS.md: max error <= 2 x (max error of the naive computation in
+// the kernel's precision) + a floor of 1e-4, for O and for LSE.
+//
+// Pages are handed out in shuffled order, and every cache element no request owns (the tail of a
+// last page, spare pages, stride padding) holds NaN, as does the row padding of q: a kernel that
+// reads outside the page table, or lets a masked slot leak into P.V, fails loudly. Outputs are
+// poisoned before each run; every element of o / lse must be written and nothing around them.
+#include <gmock/gmock.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <numeric>
+
+#include "dispatch/decode_dispatch.h"
+#include "gpu/gpu_test_util.h"
+#include "reference/attention_ref.h"
+#include "tessera/decode.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---- What this build compiled -------------------------------------------------------------------
+// A narrowed build (TESSERA_HEAD_DIMS / TESSERA_DTYPES) tests only what it compiled.
+bool decode_compiled(int head_dim, DType dtype) { return dispatch::decode_compiled(dtype, head_dim); }
+
+// hd128 / bf16 when compiled (the common serving shape), else the first compiled pair.
+void pick_compiled(int& head_dim, DType& dtype) {
+  for (int hd : {128, 64, 256}) {
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      if (decode_compiled(hd, dt)) {
+        head_dim = hd;
+        dtype = dt;
+        return;
+      }
+    }
+  }
+}
+
+uint16_t nan_bits(DType dtype) { return dtype == DType::kBF16 ? 0x7FC0 : 0x7E00; }
+
+float poison_float() {
+  const uint32_t bits = 0xFFFFFFFFu;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::vector<int32_t> indptr_of(const std::vector<int>& lengths) {
+  std::vector<int32_t> indptr{0};
+  for (int n : lengths) indptr.push_back(indptr.back() + n);
+  return indptr;
+}
+
+// ---- A paged K/V cache on the host ---------------------------------------------------------------
+struct KVGeometry {
+  KVLayout layout = KVLayout::kNHD;
+  DType dtype = DType::kBF16;
+  int page_size = 16;
+  int num_kv_heads = 2;
+  int head_dim = 128;
+  int64_t head_pad = 0;    // extra elements after each head_dim row (strides of dims 1 and 2 grow)
+  int64_t k_page_pad = 0;  // extra elements after each K page (page stride grows)
+  int64_t v_page_pad = 0;  // the same for V, so K and V strides can differ
+};
+
+// Element strides of dims 0..2 of a page tensor (head_dim, dim 3, has stride 1).
+std::array<int64_t, 3> page_strides(const KVGeometry& g, int64_t page_pad) {
+  const int64_t row = g.head_dim + g.head_pad;  // dim 2: heads (NHD) or slots (HND)
+  const int64_t mid = int64_t(g.layout == KVLayout::kNHD ? g.num_kv_heads : g.page_size) * row;
+  return {int64_t(g.page_size) * g.num_kv_heads * row + page_pad, mid, row};
+}
+
+struct HostPagedKV {
+  KVGeometry g;
+  int64_t num_pages = 0;
+  std::array<int64_t, 3> k_strides{}, v_strides{};
+  std::vector<int32_t> indptr{0}, indices, last_page_len;
+  std::vector<uint16_t> k_bits, v_bits;  // whole page tensors, padding included
+  std::vector<float> k_vals, v_vals;     // the same as floats (NaN where nothing is owned)
+
+  int batch() const { return static_cast<int>(last_page_len.size()); }
+  int64_t offset(const std::array<int64_t, 3>& s, int r, int64_t pos, int h) const {
+    const int64_t page = indices[indptr[r] + pos / g.page_size], slot = pos % g.page_size;
+    return page * s[0] + (g.layout == KVLayout::kNHD ? slot * s[1] + h * s[2] : h * s[1] + slot * s[2]);
+  }
+  ref::PagedKV reference() const {
+    return ref::PagedKV(k_vals.data(), v_vals.data(),
+                        g.layout == KVLayout::kNHD ? ref::PageLayout::kNHD : ref::PageLayout::kHND,
+                        g.page_size, g.num_kv_heads, g.head_dim, k_strides.data(), v_strides.data(),
+                        indptr, indices, last_page_len);
+  }
+};
+
+// Requests of the given KV lengths over a cache of num_pages pages (0: just enough plus 3 spare),
+// page ids shuffled. Owned (page, slot, head) rows get fresh random values, every other element NaN.
+HostPagedKV make_paged_kv(const KVGeometry& g, const std::vector<int>& kv_len, int64_t num_pages,
+                          std::mt19937& rng) {
+  HostPagedKV h;
+  h.g = g;
+  for (int len : kv_len) {
+    const int pages = (len + g.page_size - 1) / g.page_size;
+    h.indptr.push_back(h.indptr.back() + pages);
+    h.last_page_len.push_back(pages == 0 ? 0 : len - (pages - 1) * g.page_size);
+  }
+  const int32_t used = h.indptr.back();
+  h.num_pages = num_pages > 0 ? num_pages : used + 3;
+  if (h.num_pages < used) throw std::runtime_error("make_paged_kv: the cache is too small");
+  h.indices.resize(size_t(h.num_pages));
+  std::iota(h.indices.begin(), h.indices.end(), 0);
+  std::shuffle(h.indices.begin(), h.indices.end(), rng);
+  h.indices.resize(size_t(used));
+
+  h.k_strides = page_strides(g, g.k_page_pad);
+  h.v_strides = page_strides(g, g.v_page_pad);
+  h.k_bits.assign(size_t(h.num_pages * h.k_strides[0]), nan_bits(g.dtype));
+  h.v_bits.assign(size_t(h.num_pages * h.v_strides[0]), nan_bits(g.dtype));
+  std::vector<uint16_t> row;
+  for (int r = 0; r < h.batch(); ++r) {
+    for (int64_t pos = 0; pos < kv_len[r]; ++pos) {
+      for (int head = 0; head < g.num_kv_heads; ++head) {
+        random_16bit(size_t(g.head_dim), g.dtype, rng, row);
+        std::copy(row.begin(), row.end(), h.k_bits.begin() + h.offset(h.k_strides, r, pos, head));
+        random_16bit(size_t(g.head_dim), g.dtype, rng, row);
+        std::copy(row.begin(), row.end(), h.v_bits.begin() + h.offset(h.v_strides, r, pos, head));
+      }
+    }
+  }
+  h.k_vals.resize(h.k_bits.size());
+  h.v_vals.resize(h.v_bits.size());
+  for (size_t i = 0; i < h.k_bits.size(); ++i) h.k_vals[i] = from_bits(h.k_bits[i], g.dtype);
+  for (size_t i = 0; i < h.v_bits.size(); ++i) h.v_vals[i] = from_bits(h.v_bits[i], g.dtype);
+  return h;
+}
+
+// The device copy: page tensors of a HostPagedKV's size, page-table arrays for up to max_batch
+// requests over all of the cache's pages (fixed addresses, so a CUDA graph can reuse them).
+struct DevicePagedKV {
+  DeviceBuffer k, v, indptr, indices, last_page_len;
+
+  DevicePagedKV(const HostPagedKV& h, int max_batch)
+      : k(h.k_bits.size() * 2), v(h.v_bits.size() * 2), indptr(size_t(max_batch + 1) * 4),
+        indices(size_t(std::max<int64_t>(h.num_pages, 1)) * 4),
+        last_page_len(size_t(std::max(max_batch, 1)) * 4) {}
+
+  void upload(const HostPagedKV& h) {
+    k.upload(h.k_bits);
+    v.upload(h.v_bits);
+    indptr.upload(h.indptr);
+    indices.upload(h.indices);
+    last_page_len.upload(h.last_page_len);
+  }
+  PagedKVCache cache(const HostPagedKV& h) const {
+    const KVGeometry& g = h.g;
+    const bool nhd = g.layout == KVLayout::kNHD;
+    const int64_t d1 = nhd ? g.page_size : g.num_kv_heads, d2 = nhd ? g.num_kv_heads : g.page_size;
+    PagedKVCache c;
+    c.layout = g.layout;
+    c.k_pages = TensorView::strided(k.get(), g.dtype, {h.num_pages, d1, d2, g.head_dim},
+                                    {h.k_strides[0], h.k_strides[1], h.k_strides[2], 1});
+    c.v_pages = TensorView::strided(v.get(), g.dtype, {h.num_pages, d1, d2, g.head_dim},
+                                    {h.v_strides[0], h.v_strides[1], h.v_strides[2], 1});
+    return c;
+  }
+  // The table of `h` (device arrays here, host copies in `h`, which must outlive the table).
+  PageTable table(const HostPagedKV& h) const {
+    PageTable t;
+    t.indptr = TensorView::contiguous(indptr.get(), DType::kInt32, {h.batch() + 1});
+    t.indices = TensorView::contiguous(indices.get(), DType::kInt32, {int64_t(h.indices.size())});
+    t.last_page_len = TensorView::contiguous(last_page_len.get(), DType::kInt32, {h.batch()});
+    t.host_indptr = h.indptr.data();
+    t.host_indices = h.indices.data();
+    t.host_last_page_len = h.last_page_len.data();
+    return t;
+  }
+};
+
+// ---- Query rows and outputs ------------------------------------------------------------------------
+// A [rows, heads, dim] 16-bit tensor with row stride heads * dim + pad; the padding holds NaN.
+struct HostRows {
+  int64_t rows = 0, heads = 0, dim = 0, row_stride = 0;
+  std::vector<uint16_t> bits;  // rows x row_stride
+  std::vector<float> dense;    // [rows, heads, dim], exact values, unpadded
+};
+
+HostRows random_rows(int64_t rows, int64_t heads, int64_t dim, int64_t pad, DType dtype,
+                     std::mt19937& rng, float range) {
+  HostRows q;
+  q.rows = rows;
+  q.heads = heads;
+  q.dim = dim;
+  q.row_stride = heads * dim + pad;
+  std::vector<uint16_t> packed;
+  q.dense = random_16bit(size_t(rows * heads * dim), dtype, rng, packed, -range, range);
+  q.bits.assign(size_t(rows * q.row_stride), nan_bits(dtype));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(&packed[size_t(r * heads * dim)], heads * dim, &q.bits[size_t(r * q.row_stride)]);
+  }
+  return q;
+}
+
+struct OutputShape {
+  int64_t rows, heads, dim, row_stride;  // o: [rows, heads, dim] with this row stride
+  DType dtype;
+};
+
+// What run() left in the o / lse buffers.
+struct Outputs {
+  std::vector<uint16_t> o_raw;  // the whole o buffer
+  std::vector<float> lse_raw;   // the whole lse buffer
+  std::vector<float> o, lse;    // [rows, heads, dim] / [rows, heads]; unwritten ones stay poisoned
+  std::size_t stray = 0;        // elements outside the o / lse views that lost their poison
+};
+
+Outputs fetch(const DeviceBuffer& o, const DeviceBuffer& lse, const OutputShape& s) {
+  Outputs out;
+  out.o_raw = o.download<uint16_t>(o.bytes() / 2);
+  out.lse_raw = lse.download<float>(lse.bytes() / 4);
+  std::vector<char> inside(out.o_raw.size(), 0);
+  const int64_t width = s.heads * s.dim;
+  out.o.resize(size_t(s.rows * width));
+  for (int64_t r = 0; r < s.rows; ++r) {
+    for (int64_t e = 0; e < width; ++e) {
+      const size_t at = size_t(r * s.row_stride + e);
+      inside[at] = 1;
+      const uint16_t b = out.o_raw[at];
+      out.o[size_t(r * width + e)] = b == kPoison16 ? poison_float() : from_bits(b, s.dtype);
+    }
+  }
+  for (size_t i = 0; i < out.o_raw.size(); ++i) out.stray += !inside[i] && out.o_raw[i] != kPoison16;
+  const size_t lse_count = size_t(s.rows * s.heads);
+  out.lse.assign(out.lse_raw.begin(), out.lse_raw.begin() + lse_count);
+  for (size_t i = lse_count; i < out.lse_raw.size(); ++i) out.stray += !is_poison(out.lse_raw[i]);
+  return out;
+}
+
+bool bitwise_equal(const Outputs& a, const Outputs& b) {
+  return a.o_raw == b.o_raw && a.lse_raw.size() == b.lse_raw.size() &&
+         std::memcmp(a.lse_raw.data(), b.lse_raw.data(), a.lse_raw.size() * 4) == 0;
+}
+
+// ---- The reference ---------------------------------------------------------------------------------
+struct Expected {
+  std::vector<double> o, lse;
+  double o_naive_err = 0, lse_naive_err = 0;  // max error of the naive low-precision computation
+};
+
+double max_finite_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(a[i] - b[i]);
+    if (std::isfinite(d)) m = std::max(m, d);
+  }
+  return m;
+}
+
+Expected reference(const HostPagedKV& kv, const HostRows& q, const std::vector<int32_t>& qo_indptr,
+                   const DecodeConfig& cfg) {
+  ref::AttentionParams p;
+  p.num_qo_heads = cfg.num_qo_heads;
+  p.num_kv_heads = cfg.num_kv_heads;
+  p.head_dim = cfg.head_dim;
+  p.causal = cfg.causal;
+  p.window_left = cfg.window_left;
+  p.scale = cfg.scale;
+  p.soft_cap = cfg.soft_cap;
+  const ref::PagedKV source = kv.reference();
+  Expected e;
+  std::vector<double> o_naive, lse_naive;
+  ref::attention(q.dense.data(), qo_indptr, source, p, e.o, e.lse);
+  ref::attention_naive_lowp(q.dense.data(), qo_indptr, source, p, cfg.dtype == DType::kBF16 ? 7 : 10,
+                            o_naive, lse_naive);
+  e.o_naive_err = max_finite_diff(o_naive, e.o);
+  e.lse_naive_err = max_finite_diff(lse_naive, e.lse);
+  return e;
+}
+
+void check_against(const Outputs& got, const Expected& want, const std::string& what) {
+  EXPECT_EQ(got.stray, 0u) << what << ": elements outside the o / lse views were written";
+  expect_within_rule(got.o, want.o, want.o_naive_err, 1e-4, what + " o");
+  expect_within_rule(got.lse, want.lse, want.lse_naive_err, 1e-4, what + " lse");
+}
+
+// ---- One decode step -------------------------------------------------------------------------------
+struct DecodeCase {
+  KVGeometry kv;
+  int num_qo_heads = 8;
+  std::vector<int> kv_len;
+  std::vector<int> qo_len;  // empty: one query token per request
+  int max_qo_len = 1;
+  int max_batch_size = 0;   // 0: the batch size
+  bool causal = true;
+  int window_left = -1;
+  float soft_cap = 0.f;
+  float scale = 0.f;
+  int64_t q_pad = 0;        // extra elements per row of q and o (strided rows)
+};
+
+std::vector<int> qo_lens(const DecodeCase& c) {
+  return c.qo_len.empty() ? std::vector<int>(c.kv_len.size(), 1) : c.qo_len;
+}
+
+DecodeConfig config_of(const DecodeCase& c) {
+  DecodeConfig cfg;
+  cfg.num_qo_heads = c.num_qo_heads;
+  cfg.num_kv_heads = c.kv.num_kv_heads;
+  cfg.head_dim = c.kv.head_dim;
+  cfg.page_size = c.kv.page_size;
+  cfg.dtype = c.kv.dtype;
+  cfg.layout = c.kv.layout;
+  cfg.max_batch_size = c.max_batch_size > 0 ? c.max_batch_size : static_cast<int>(c.kv_len.size());
+  cfg.max_qo_len = c.max_qo_len;
+  cfg.causal = c.causal;
+  cfg.window_left = c.window_left;
+  cfg.scale = c.scale;
+  cfg.soft_cap = c.soft_cap;
+  return cfg;
+}
+
+std::string list_of(const std::vector<int>& v) {
+  if (v.size() > 16) {
+    return "[" + std::to_string(v.size()) + " requests, longest " +
+           std::to_string(*std::max_element(v.begin(), v.end())) + "]";
+  }
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? " " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+std::string describe(const DecodeCase& c) {
+  std::string s = std::string(dtype_name(c.kv.dtype)) + " hd" + std::to_string(c.kv.head_dim) + " " +
+                  kv_layout_name(c.kv.layout) + " page " + std::to_string(c.kv.page_size) + " heads " +
+                  std::to_string(c.num_qo_heads) + "/" + std::to_string(c.kv.num_kv_heads) +
+                  " kv_len " + list_of(c.kv_len) + " qo_len " + list_of(qo_lens(c));
+  if (c.causal && c.max_qo_len > 1) s += " causal";
+  if (!c.causal) s += " non-causal";
+  if (c.window_left >= 0) s += " window " + std::to_string(c.window_left);
+  if (c.soft_cap > 0) s += " soft_cap " + std::to_string(c.soft_cap);
+  if (c.scale > 0) s += " scale " + std::to_string(c.scale);
+  if (c.kv.head_pad || c.kv.k_page_pad || c.kv.v_page_pad) s += " strided pages";
+  if (c.q_pad) s += " strided rows";
+  return s;
+}
+
+// A case's inputs on the host and the device, with poisoned output buffers.
+struct DecodeProblem {
+  DecodeConfig cfg;
+  std::mt19937 rng;
+  HostPagedKV kv;
+  std::vector<int32_t> qo_indptr;
+  HostRows q;
+  DevicePagedKV dkv;
+  DeviceBuffer dq, o, lse;
+
+  DecodeProblem(const DecodeCase& c, uint32_t seed)
+      : cfg(config_of(c)), rng(seed), kv(make_paged_kv(c.kv, c.kv_len, 0, rng)),
+        qo_indptr(indptr_of(qo_lens(c))),
+        q(random_rows(qo_indptr.back(), c.num_qo_heads, c.kv.head_dim, c.q_pad, c.kv.dtype, rng, 2.f)),
+        dkv(kv, kv.batch()),
+        dq(size_t(std::max<int64_t>(q.rows * q.row_stride, 8)) * 2),
+        o(size_t(std::max<int64_t>(q.rows * q.row_stride, 8)) * 2),
+        lse(size_t(std::max<int64_t>(q.rows * q.heads, 2)) * 4) {
+    dkv.upload(kv);
+    dq.upload(q.bits);
+  }
+
+  TensorView q_view() const {
+    return TensorView::strided(dq.get(), cfg.dtype, {q.rows, q.heads, q.dim}, {q.row_stride, q.dim, 1});
+  }
+  TensorView o_view() const {
+    return TensorView::strided(o.get(), cfg.dtype, {q.rows, q.heads, q.dim}, {q.row_stride, q.dim, 1});
+  }
+  TensorView lse_view() const {
+    return TensorView::contiguous(lse.get(), DType::kFP32, {q.rows, q.heads});
+  }
+  PagedKVCache cache() const { return dkv.cache(kv); }
+  PageTable table() const { return dkv.table(kv); }
+  OutputShape out_shape() const { return {q.rows, q.heads, q.dim, q.row_stride, cfg.dtype}; }
+
+  void plan(BatchDecoder& d, cudaStream_t stream = nullptr) const {
+    d.plan(qo_indptr.data(), table(), stream, kv.num_pages);
+  }
+  void run(BatchDecoder& d, cudaStream_t stream = nullptr) const {
+    d.run(q_view(), cache(), table(), o_view(), lse_view(), stream);
+  }
+  // Poisons o / lse, runs, waits and reads them back.
+  Outputs run_and_fetch(BatchDecoder& d, cudaStream_t stream = nullptr) {
+    o.poison();
+    lse.poison();
+    run(d, stream);
+    if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("run() failed on the GPU");
+    return fetch(o, lse, out_shape());
+  }
+  Expected expected() const { return reference(kv, q, qo_indptr, cfg); }
+};
+
+// Plans and runs a case twice (the second run must be bitwise identical) and checks O and LSE
+// against the fp64 reference; `info` receives what the plan decided.
+void run_case(const DecodeCase& c, uint32_t seed, DecodePlanInfo* info = nullptr) {
+  SCOPED_TRACE(describe(c));
+  if (!decode_compiled(c.kv.head_dim, c.kv.dtype)) {
+    GTEST_SKIP() << describe(c) << ": not compiled in this build";
+  }
+  DecodeProblem p(c, seed);
+  DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
+  BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
+  p.plan(decoder);
+  if (info) *info = decoder.last_plan();
+  const Outputs first = p.run_and_fetch(decoder);
+  const Outputs second = p.run_and_fetch(decoder);
+  EXPECT_TRUE(bitwise_equal(first, second)) << "a second run() with the same plan differs";
+  check_against(first, p.expected(), "decode");
+}
+
+class Stream {  // a non-blocking stream, destroyed on scope exit
+ public:
+  Stream() {
+    if (cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking) != cudaSuccess) {
+      throw std::runtime_error("cudaStreamCreateWithFlags failed");
+    }
+  }
+  ~Stream() { cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// ---- 1. Page sizes and layouts ---------------------------------------------------------------------
+TEST(GpuDecode, PageSizesAndLayouts) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 1;
+  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+    for (int page_size : {1, 16, 64, 256}) {
+      DecodeCase c;
+      c.kv.layout = layout;
+      c.kv.page_size = page_size;
+      c.kv.dtype = DType::kBF16;
+      c.kv.head_dim = 128;
+      c.num_qo_heads = 8;
+      c.kv.num_kv_heads = 2;
+      // A request with no KV (o = 0, lse = -inf) and one with no query token this step.
+      c.kv_len = {1, 54, 0, 97, 700, 33};
+      c.qo_len = {1, 1, 1, 1, 1, 0};
+      run_case(c, seed++);
+    }
+  }
+}
+
+// ---- 2. GQA groups, head dims, dtypes --------------------------------------------------------------
+TEST(GpuDecode, GroupsHeadDimsAndDtypes) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 100;
+  for (int head_dim : {64, 128, 256}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      if (!decode_compiled(head_dim, dtype)) continue;
+      // Groups 1, 4, 8, 16.
+      for (auto [qo_heads, kv_heads] : {std::pair{2, 2}, {8, 2}, {8, 1}, {16, 1}}) {
+        DecodeCase c;
+        c.kv.dtype = dtype;
+        c.kv.head_dim = head_dim;
+        c.kv.layout = dtype == DType::kBF16 ? KVLayout::kNHD : KVLayout::kHND;
+        c.num_qo_heads = qo_heads;
+        c.kv.num_kv_heads = kv_heads;
+        c.kv_len = {97, 1, 577, 16};
+        run_case(c, seed++);
+      }
+    }
+  }
+}
+
+// ---- 3. Split-KV (flash-decoding) -------------------------------------------------------------------
+TEST(GpuDecodeSplit, LongRequestAlone) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 200;
+  for (auto [layout, page_size] : {std::pair{KVLayout::kNHD, 16}, {KVLayout::kNHD, 1}, {KVLayout::kHND, 64}}) {
+    DecodeCase c;
+    pick_compiled(c.kv.head_dim, c.kv.dtype);
+    c.kv.layout = layout;
+    c.kv.page_size = page_size;
+    c.kv_len = {16385};
+    DecodePlanInfo info;
+    run_case(c, seed++, &info);
+    EXPECT_GT(info.chunk_tokens, 0) << "a lone 16385-token request should be split";
+    EXPECT_LT(info.chunk_tokens, 16385);
+    EXPECT_EQ(info.num_split_requests, c.kv.num_kv_heads) << "every KV head of the request is split";
+  }
+}
+
+TEST(GpuDecodeSplit, LongRequestsInSmallBatches) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len = {16385, 54, 1, 0, 700};  // long, short, single-token, no KV, medium
+  DecodePlanInfo info;
+  run_case(c, 250, &info);
+  EXPECT_GT(info.chunk_tokens, 0);
+  EXPECT_GE(info.num_split_requests, c.kv.num_kv_heads);
+
+  c.kv.layout = KVLayout::kHND;
+  c.kv_len = {16385, 16385};
+  run_case(c, 251, &info);
+  EXPECT_GT(info.chunk_tokens, 0);
+  EXPECT_EQ(info.num_split_requests, 2 * c.kv.num_kv_heads);
+}
+
+// Split chunks of several query rows, and chunks that a window masks entirely (their partial
+// states are -inf and must contribute nothing to the merge).
+TEST(GpuDecodeSplit, MultiTokenAndWindowedLongRequests) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.max_qo_len = 4;
+  c.kv_len = {16385, 300};
+  c.qo_len = {4, 3};
+  DecodePlanInfo info;
+  run_case(c, 260, &info);
+  EXPECT_GT(info.chunk_tokens, 0);
+  c.window_left = 37;
+  run_case(c, 261, &info);
+  EXPECT_GT(info.chunk_tokens, 0);
+}
+
+// The same long request inside a batch that fills the GPU on its own: nothing is split, so the
+// long request runs unsplit through one work item.
+TEST(GpuDecodeSplit, OverfilledBatchSplitsOnlyItsLongRequest) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.num_qo_heads = 8;
+  c.kv.num_kv_heads = 8;  // 1024 requests x 8 KV heads: far more work items than one wave
+  std::mt19937 rng(270);
+  std::uniform_int_distribution<int> short_len(1, 40);
+  c.kv_len = {16385};
+  while (c.kv_len.size() < 1024) c.kv_len.push_back(short_len(rng));
+  DecodePlanInfo info;
+  run_case(c, 271, &info);
+  // The long request exceeds the average load per CTA slot and is split (once per KV head); the
+  // short ones stay whole.
+  EXPECT_GT(info.chunk_tokens, 0);
+  EXPECT_EQ(info.num_split_requests, c.kv.num_kv_heads);
+  EXPECT_GT(info.num_work_items, 1024 * c.kv.num_kv_heads);
+
+  c.kv_len.erase(c.kv_len.begin());
+  c.kv_len.push_back(40);
+  run_case(c, 272, &info);
+  EXPECT_EQ(info.chunk_tokens, 0) << "a batch of equal short requests should not be split ("
+                                  << info.num_work_items << " work items)";
+  EXPECT_EQ(info.num_split_requests, 0);
+}
+
+// ---- 4. Multi-token verification, windows, soft-cap --------------------------------------------------
+TEST(GpuDecode, MultiTokenVerification) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 300;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (bool causal : {true, false}) {
+      DecodeCase c;
+      pick_compiled(c.kv.head_dim, c.kv.dtype);
+      c.kv.dtype = dtype;
+      if (!decode_compiled(c.kv.head_dim, dtype)) continue;
+      c.causal = causal;
+      c.max_qo_len = 4;
+      // qo_len == kv_len (the first row sees one key), no KV, no query, page-boundary lengths.
+      c.kv_len = {97, 700, 1000, 4, 0, 54, 33, 16};
+      c.qo_len = {2, 4, 3, 4, 2, 0, 1, 4};
+      run_case(c, seed++);
+    }
+  }
+  // The largest tile of query rows: group 16 x max_qo_len 8.
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.num_qo_heads = 16;
+  c.kv.num_kv_heads = 1;
+  c.max_qo_len = 8;
+  c.kv_len = {300, 8, 1000};
+  c.qo_len = {8, 5, 7};
+  run_case(c, seed++);
+}
+
+TEST(GpuDecode, SlidingWindowAndSoftCap) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 400;
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len = {1, 37, 38, 39, 700, 5000};  // shorter than, at and past the window
+  c.window_left = 37;
+  run_case(c, seed++);
+  c.window_left = 0;  // only the last key
+  run_case(c, seed++);
+  c.window_left = 37;
+  c.max_qo_len = 4;
+  c.qo_len = {1, 4, 2, 3, 4, 4};
+  run_case(c, seed++);
+
+  DecodeCase s;
+  pick_compiled(s.kv.head_dim, s.kv.dtype);
+  s.kv_len = {97, 700, 1, 2000};
+  s.soft_cap = 30.f;
+  run_case(s, seed++);
+  s.scale = 1.f;  // logits of tens: the cap bites
+  run_case(s, seed++);
+  s.soft_cap = 0.f;
+  s.scale = 0.05f;
+  run_case(s, seed++);
+}
+
+// ---- 5. Strided pages and rows ---------------------------------------------------------------------
+TEST(GpuDecode, StridedPagesAndRows) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 500;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+      for (int page_size : {1, 16}) {
+        DecodeCase c;
+        pick_compiled(c.kv.head_dim, c.kv.dtype);
+        c.kv.dtype = dtype;
+        if (!decode_compiled(c.kv.head_dim, dtype)) continue;
+        c.kv.layout = layout;
+        c.kv.page_size = page_size;
+        c.kv.head_pad = 8;     // head / slot strides larger than head_dim
+        c.kv.k_page_pad = 24;  // page strides larger than a page, and different for K and V
+        c.kv.v_page_pad = 40;
+        c.q_pad = 24;          // q / o row stride larger than num_qo_heads x head_dim
+        c.max_qo_len = 2;
+        c.kv_len = {1, 54, 97, 700};
+        c.qo_len = {1, 2, 1, 2};
+        run_case(c, seed++);
+      }
+    }
+  }
+}
+
+// ---- 6. Determinism --------------------------------------------------------------------------------
+TEST(GpuDecode, RepeatedRunsAreBitwiseIdentical) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len = {16385, 54, 700};  // split, so the merge is covered too
+  DecodeProblem p(c, 600);
+  DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
+  BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
+  p.plan(decoder);
+  const Outputs first = p.run_and_fetch(decoder);
+  check_against(first, p.expected(), "first run");
+  EXPECT_TRUE(bitwise_equal(first, p.run_and_fetch(decoder))) << "second run() differs";
+  p.plan(decoder);  // the same step planned again
+  EXPECT_TRUE(bitwise_equal(first, p.run_and_fetch(decoder))) << "run() after a second plan() differs";
+  Stream stream;    // planned and run on another stream
+  p.plan(decoder, stream);
+  EXPECT_TRUE(bitwise_equal(first, p.run_and_fetch(decoder, stream))) << "run() on another stream differs";
+}
+
+// ---- 7. CUDA graphs ---------------------------------------------------------------------------------
+struct CapturedGraph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~CapturedGraph() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+};
+
+// Captures `launch` on `stream` in global mode (an unsafe CUDA call inside fails the capture).
+void capture(cudaStream_t stream, const std::function<void()>& launch, CapturedGraph& out) {
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    launch();
+  } catch (const std::exception& e) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(stream, &broken);
+    if (broken) cudaGraphDestroy(broken);
+    FAIL() << "run() threw during capture: " << e.what();
+  }
+  CUDA_OK(cudaStreamEndCapture(stream, &out.graph));
+  size_t nodes = 0;
+  CUDA_OK(cudaGraphGetNodes(out.graph, nullptr, &nodes));
+  EXPECT_GT(nodes, 0u) << "the captured run() launched nothing";
+  CUDA_OK(cudaGraphInstantiate(&out.exec, out.graph, 0));
+}
+
+// run() captured once replays every later step: new batch sizes, query lengths, KV lengths (split
+// or not) and cache contents in the same buffers, with only plan() called before each replay. The
+// replay must match an eager run() of the same step bit for bit, and the reference.
+TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase shape;
+  pick_compiled(shape.kv.head_dim, shape.kv.dtype);
+  shape.num_qo_heads = 8;
+  shape.kv.num_kv_heads = 2;
+  shape.kv.page_size = 16;
+  shape.max_batch_size = 8;
+  shape.max_qo_len = 2;
+  const DecodeConfig cfg = config_of(shape);
+  const KVGeometry& g = shape.kv;
+  const int64_t num_pages = 700;  // the cache every step lives in
+
+  struct Step {
+    std::vector<int> kv_len, qo_len;
+  };
+  const std::vector<Step> steps = {
+      {{54, 700, 1}, {1, 2, 1}},                                               // captured on this one
+      {{9000, 0, 97, 1, 16, 333, 2, 1000}, {1, 1, 2, 1, 0, 2, 2, 1}},          // full batch, a long one
+      {{10000}, {2}},                                                          // one long request
+      {{5, 17}, {2, 1}},                                                       // fewer than captured
+  };
+  std::mt19937 rng(700);
+  std::vector<HostPagedKV> kvs;
+  std::vector<HostRows> qs;
+  std::vector<std::vector<int32_t>> qo_indptrs;
+  for (const Step& s : steps) {
+    kvs.push_back(make_paged_kv(g, s.kv_len, num_pages, rng));
+    qo_indptrs.push_back(indptr_of(s.qo_len));
+    qs.push_back(random_rows(qo_indptrs.back().back(), cfg.num_qo_heads, g.head_dim, 0, g.dtype, rng, 2.f));
+  }
+
+  // Fixed-address buffers at the capacity, shared by every step.
+  const int64_t max_rows = int64_t(cfg.max_batch_size) * cfg.max_qo_len;
+  const int64_t width = int64_t(cfg.num_qo_heads) * g.head_dim;
+  DevicePagedKV dkv(kvs[0], cfg.max_batch_size);
+  DeviceBuffer dq(size_t(max_rows * width) * 2), o(size_t(max_rows * width) * 2),
+      lse(size_t(max_rows * cfg.num_qo_heads) * 4);
+  DeviceBuffer ws(BatchDecoder::workspace_bytes(cfg));
+  BatchDecoder decoder(cfg, ws.get(), ws.bytes());
+  Stream stream;
+  const PagedKVCache cache = dkv.cache(kvs[0]);  // the same views for every step
+  auto rows_view = [&](const DeviceBuffer& b, int64_t rows) {
+    return TensorView::contiguous(b.get(), g.dtype, {rows, cfg.num_qo_heads, g.head_dim});
+  };
+  auto lse_view = [&](int64_t rows) {
+    return TensorView::contiguous(lse.get(), DType::kFP32, {rows, cfg.num_qo_heads});
+  };
+  auto load_and_plan = [&](size_t i) {
+    CUDA_OK(cudaStreamSynchronize(stream));  // the previous step is done with the buffers
+    dkv.upload(kvs[i]);
+    dq.upload(qs[i].bits);
+    o.poison();
+    lse.poison();
+    decoder.plan(qo_indptrs[i].data(), dkv.table(kvs[i]), stream, num_pages);
+  };
+
+  load_and_plan(0);
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(capture(stream, [&] {
+    decoder.run(rows_view(dq, qs[0].rows), cache, dkv.table(kvs[0]), rows_view(o, qs[0].rows),
+                lse_view(qs[0].rows), stream);
+  }, graph));
+
+  for (size_t i = 0; i < steps.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i) + ": kv_len " + list_of(steps[i].kv_len) + " qo_len " +
+                 list_of(steps[i].qo_len));
+    const int64_t rows = qs[i].rows;
+    const OutputShape out{rows, cfg.num_qo_heads, g.head_dim, width, g.dtype};
+    load_and_plan(i);
+    const DecodePlanInfo info = decoder.last_plan();
+    CUDA_OK(cudaGraphLaunch(graph.exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Outputs replayed = fetch(o, lse, out);
+
+    o.poison();
+    lse.poison();
+    decoder.run(rows_view(dq, rows), cache, dkv.table(kvs[i]), rows_view(o, rows), lse_view(rows), stream);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Outputs eager = fetch(o, lse, out);
+
+    EXPECT_TRUE(bitwise_equal(replayed, eager))
+        << "graph replay and eager run() differ (chunk_tokens " << info.chunk_tokens << ")";
+    check_against(replayed, reference(kvs[i], qs[i], qo_indptrs[i], cfg), "graph replay");
+  }
+}
+
+// ---- 8. Bad input -----------------------------------------------------------------------------------
+// Runs `call`, expects a tessera::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected tessera::Error containing '" << fragments[0] << "'";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_THAT(e.what(), HasSubstr(f));
+  }
+}
+
+TEST(GpuDecodeBadInput, ConfigIsValidated) {
+  TESSERA_REQUIRE_GPU();
+  DecodeConfig good;
+  pick_compiled(good.head_dim, good.dtype);
+  good.num_qo_heads = 8;
+  good.num_kv_heads = 2;
+  good.page_size = 16;
+  good.max_batch_size = 4;
+  const std::size_t bytes = BatchDecoder::workspace_bytes(good);
+  DeviceBuffer ws(bytes);
+  EXPECT_NO_THROW({ BatchDecoder d(good, ws.get(), ws.bytes()); });
+
+  struct Bad {
+    std::function<void(DecodeConfig&)> edit;
+    std::vector<std::string> fragments;
+  };
+  std::vector<Bad> bad = {
+      {[](DecodeConfig& c) { c.num_qo_heads = 6; c.num_kv_heads = 4; }, {"num_qo_heads", "num_kv_heads"}},
+      {[](DecodeConfig& c) { c.num_kv_heads = 0; }, {"num_kv_heads"}},
+      {[](DecodeConfig& c) { c.num_qo_heads = 32; c.num_kv_heads = 1; }, {"num_qo_heads", "num_kv_heads", "16"}},
+      {[](DecodeConfig& c) { c.head_dim = 96; }, {"'head_dim'", "96"}},
+      {[](DecodeConfig& c) { c.page_size = 0; }, {"'page_size'"}},
+      {[](DecodeConfig& c) { c.page_size = 300; }, {"'page_size'", "300"}},
+      {[](DecodeConfig& c) { c.max_qo_len = 9; }, {"'max_qo_len'", "9"}},
+      {[](DecodeConfig& c) { c.max_qo_len = 0; }, {"'max_qo_len'"}},
+      {[](DecodeConfig& c) { c.max_batch_size = 0; }, {"'max_batch_size'"}},
+      {[](DecodeConfig& c) { c.dtype = DType::kFP32; }, {"'dtype'"}},
+      {[](DecodeConfig& c) { c.window_left = -2; }, {"'window_left'"}},
+  };
+  // What a narrowed build left out is a clear error, not a fallback.
+  for (int hd : {64, 128, 256}) {
+    if (!decode_compiled(hd, good.dtype)) bad.push_back({[hd](DecodeConfig& c) { c.head_dim = hd; }, {"'head_dim'"}});
+  }
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    if (!decode_compiled(good.head_dim, dt)) bad.push_back({[dt](DecodeConfig& c) { c.dtype = dt; }, {"'dtype'"}});
+  }
+  for (size_t i = 0; i < bad.size(); ++i) {
+    SCOPED_TRACE("bad config " + std::to_string(i));
+    DecodeConfig c = good;
+    bad[i].edit(c);
+    expect_error([&] { BatchDecoder d(c, ws.get(), ws.bytes()); }, bad[i].fragments);
+    expect_error([&] { (void)BatchDecoder::workspace_bytes(c); }, bad[i].fragments);
+  }
+  expect_error([&] { BatchDecoder d(good, ws.get(), bytes - 1); }, {"workspace"});
+  expect_error([&] { BatchDecoder d(good, nullptr, bytes); }, {"workspace"});
+}
+
+TEST(GpuDecodeBadInput, RunArgumentsAreValidated) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len = {20, 5};
+  DecodeProblem p(c, 800);
+  DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
+  BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
+  p.o.poison();
+  p.lse.poison();
+  expect_error([&] { p.run(decoder); }, {"plan"});  // run() before any plan()
+  p.plan(decoder);
+
+  const DType other = c.kv.dtype == DType::kBF16 ? DType::kFP16 : DType::kBF16;
+  const int64_t rows = p.q.rows, heads = p.q.heads, dim = p.q.dim;
+  struct Args {
+    TensorView q, o, lse;
+    PagedKVCache cache;
+  };
+  auto run_with = [&](const std::function<void(Args&)>& edit) {
+    Args a{p.q_view(), p.o_view(), p.lse_view(), p.cache()};
+    edit(a);
+    decoder.run(a.q, a.cache, p.table(), a.o, a.lse, nullptr);
+  };
+  expect_error([&] { run_with([&](Args& a) { a.q.dtype = other; }); }, {"'q'", "dtype"});
+  expect_error([&] { run_with([&](Args& a) { a.q = TensorView::contiguous(a.q.data, c.kv.dtype, {rows, heads / 2, dim}); }); },
+               {"'q'"});
+  expect_error([&] {  // fewer rows than the plan's qo_indptr ends at
+    run_with([&](Args& a) {
+      a.q = TensorView::contiguous(a.q.data, c.kv.dtype, {rows - 1, heads, dim});
+      a.o = TensorView::contiguous(a.o.data, c.kv.dtype, {rows - 1, heads, dim});
+      a.lse = TensorView::contiguous(a.lse.data, DType::kFP32, {rows - 1, heads});
+    });
+  }, {"'q'"});
+  expect_error([&] { run_with([&](Args& a) { a.q.data = static_cast<char*>(a.q.data) + 2; }); }, {"'q'"});
+  expect_error([&] { run_with([&](Args& a) { a.o = TensorView::contiguous(a.o.data, c.kv.dtype, {rows, heads, dim / 2}); }); },
+               {"'o'"});
+  expect_error([&] { run_with([&](Args& a) { a.o.dtype = DType::kFP32; }); }, {"'o'", "dtype"});
+  expect_error([&] { run_with([&](Args& a) { a.lse.dtype = DType::kBF16; }); }, {"'lse'", "dtype"});
+  expect_error([&] { run_with([&](Args& a) { a.lse = TensorView::contiguous(a.lse.data, DType::kFP32, {rows, heads - 1}); }); },
+               {"'lse'"});
+  expect_error([&] { run_with([&](Args& a) { a.cache.k_pages.dtype = other; }); }, {"'k_pages'"});
+  expect_error([&] { run_with([&](Args& a) { a.cache.v_pages.shape[3] = dim / 2; }); }, {"'v_pages'"});
+  expect_error([&] { run_with([&](Args& a) { a.cache.layout = KVLayout::kHND; }); }, {"layout"});
+
+  // Nothing was written by the calls that threw.
+  CUDA_OK(cudaDeviceSynchronize());
+  const Outputs untouched = fetch(p.o, p.lse, p.out_shape());
+  EXPECT_TRUE(std::all_of(untouched.o_raw.begin(), untouched.o_raw.end(), [](uint16_t b) { return b == kPoison16; }))
+      << "a rejected run() wrote o";
+  EXPECT_TRUE(std::all_of(untouched.lse_raw.begin(), untouched.lse_raw.end(), is_poison))
+      << "a rejected run() wrote lse";
+}
+
+TEST(GpuDecodeBadInput, PlanArgumentsAreValidated) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len = {20, 5, 40};
+  c.qo_len = {1, 2, 1};
+  c.max_qo_len = 2;
+  DecodeProblem p(c, 900);
+  DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
+  BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
+
+  // A batch larger than max_batch_size.
+  DecodeConfig small = p.cfg;
+  small.max_batch_size = 2;
+  DeviceBuffer small_ws(BatchDecoder::workspace_bytes(small));
+  BatchDecoder small_decoder(small, small_ws.get(), small_ws.bytes());
+  expect_error([&] { p.plan(small_decoder); }, {"max_batch_size"});
+
+  // A request with more query tokens than max_qo_len; no host qo_indptr.
+  const std::vector<int32_t> too_long{0, 1, 4, 5};
+  expect_error([&] { decoder.plan(too_long.data(), p.table(), nullptr, p.kv.num_pages); }, {"qo_indptr"});
+  expect_error([&] { decoder.plan(nullptr, p.table(), nullptr, p.kv.num_pages); }, {"qo_indptr", "required"});
+
+  // Page ids outside the cache, a bad last_page_len.
+  for (int32_t bad_id : {int32_t(p.kv.num_pages), -1}) {
+    std::vector<int32_t> indices = p.kv.indices;
+    indices[1] = bad_id;
+    PageTable t = p.table();
+    t.host_indices = indices.data();
+    expect_error([&] { decoder.plan(p.qo_indptr.data(), t, nullptr, p.kv.num_pages); },
+                 {"kv_indices", "page id " + std::to_string(bad_id)});
+  }
+  std::vector<int32_t> last = p.kv.last_page_len;
+  last[0] = c.kv.page_size + 1;
+  PageTable bad_last = p.table();
+  bad_last.host_last_page_len = last.data();
+  expect_error([&] { decoder.plan(p.qo_indptr.data(), bad_last, nullptr, p.kv.num_pages); }, {"kv_last_page_len"});
+
+  // The host copies of the page table are required.
+  PageTable t = p.table();
+  t.host_indptr = nullptr;
+  expect_error([&] { decoder.plan(p.qo_indptr.data(), t, nullptr, p.kv.num_pages); }, {"indptr", "required"});
+  t = p.table();
+  t.host_indices = nullptr;
+  expect_error([&] { decoder.plan(p.qo_indptr.data(), t, nullptr, p.kv.num_pages); }, {"indices", "required"});
+  t = p.table();
+  t.host_last_page_len = nullptr;
+  expect_error([&] { decoder.plan(p.qo_indptr.data(), t, nullptr, p.kv.num_pages); }, {"last_page_len", "required"});
+
+  // The rejected plans left the decoder usable.
+  p.plan(decoder);
+  check_against(p.run_and_fetch(decoder), p.expected(), "after rejected plans");
+}
+
+}  // namespace
+}  // namespace tessera::testing
