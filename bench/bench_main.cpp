@@ -367,6 +367,9 @@ int bench_decode(const Args& a) {
   auto time_plan = [&](int64_t check_pages) {
     std::vector<double> plan_us(plan_iters);
     for (int i = 0; i < plan_warmup + plan_iters; ++i) {
+      // As in a serving loop, the previous step's plan copy has long completed: without this
+      // sync, back-to-back calls would time the wait for the previous copy.
+      cuda_ok(cudaDeviceSynchronize(), "plan");
       const auto t0 = std::chrono::steady_clock::now();
       decoder.plan(qo_indptr.data(), table, nullptr, check_pages);
       const auto t1 = std::chrono::steady_clock::now();

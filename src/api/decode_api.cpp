@@ -76,6 +76,15 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   return cap;
 }
 
+#ifndef TESSERA_DECODE_SPLIT_WAVES
+#define TESSERA_DECODE_SPLIT_WAVES 1
+#endif
+plan::SplitPolicy split_policy() {
+  plan::SplitPolicy policy;
+  policy.waves = TESSERA_DECODE_SPLIT_WAVES;
+  return policy;
+}
+
 // Division by a runtime page size on the device: shift = ceil(log2 d),
 // magic = floor(2^32 (2^shift - d) / d) + 1; then n / d = (umulhi(n, magic) + n) >> shift for
 // 0 <= n < 2^31.
@@ -108,7 +117,8 @@ struct BatchDecoder::Impl {
   int64_t checked_num_pages = -1;  // the cache size plan() checked the page ids against, or -1
   DecodePlanInfo info;
 
-  Impl(const DecodeConfig& c, const GpuShape& g) : config(c), gpu(g), planner(capacity_for(c, g)) {}
+  Impl(const DecodeConfig& c, const GpuShape& g)
+      : config(c), gpu(g), planner(capacity_for(c, g), split_policy()) {}
   ~Impl() {
     if (copied) cudaEventDestroy(copied);
     if (staging) cudaFreeHost(staging);
@@ -118,7 +128,8 @@ struct BatchDecoder::Impl {
 std::size_t BatchDecoder::workspace_bytes(const DecodeConfig& config) {
   const detail::ArgCheck check("BatchDecoder::workspace_bytes");
   validate_config(check, config);
-  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config))).workspace_bytes();
+  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config)), split_policy())
+      .workspace_bytes();
 }
 
 BatchDecoder::BatchDecoder(const DecodeConfig& config, void* workspace, std::size_t workspace_size) {
@@ -302,7 +313,6 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   unsigned char* ws = im.workspace;
   p.header = reinterpret_cast<const plan::PlanHeader*>(ws + layout.header);
   p.work = reinterpret_cast<const plan::WorkItem*>(ws + layout.work);
-  p.requests = reinterpret_cast<const plan::RequestInfo*>(ws + layout.requests);
   p.merges = reinterpret_cast<const plan::MergeRow*>(ws + layout.merges);
   p.slot_rows = reinterpret_cast<const int64_t*>(ws + layout.slot_rows);
   p.partial_o = reinterpret_cast<float*>(ws + layout.partial_o);

@@ -30,11 +30,11 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   if (cap_.head_dim < 8 || cap_.head_dim % 8 != 0) {
     fail("head_dim", "must be a positive multiple of 8, got " + std::to_string(cap_.head_dim));
   }
-  if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1) {
-    fail("policy", "min_chunk_tokens and granularity must be >= 1");
+  if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1 || policy_.waves < 1) {
+    fail("policy", "waves, min_chunk_tokens and granularity must be >= 1");
   }
   group_ = cap_.num_qo_heads / cap_.num_kv_heads;
-  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
+  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
   // Fitting one wave, a split list has at most `wave` items. Overfilled, chunks are at least the
   // average load per CTA slot (total / wave per head), so splitting adds at most wave / heads
   // chunks per head: at most batch x heads + wave items, and the split requests' chunks (each
@@ -56,7 +56,6 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   layout_.header = place(sizeof(PlanHeader));
   layout_.work = place(std::size_t(max_work_) * sizeof(WorkItem));
   layout_.merges = place(std::size_t(max_slots_) * sizeof(MergeRow));
-  layout_.requests = place(std::size_t(cap_.max_batch_size) * sizeof(RequestInfo));
   layout_.slot_rows = place(std::size_t(max_slots_ + 1) * sizeof(int64_t));
   layout_.merge_counters = place(std::size_t(max_slots_) * sizeof(int32_t));
   layout_.plan_bytes = at;
@@ -79,21 +78,12 @@ int64_t DecodePlanner::max_partial_rows() const {
 
 void DecodePlanner::write_image(void* image) const {
   auto* base = static_cast<unsigned char*>(image);
-  int32_t max_merge_rows = 0;
-  for (const MergeRow& m : plan_.merges) {
-    max_merge_rows = std::max(max_merge_rows, plan_.requests[m.request].qo_len * group_);
-  }
   const PlanHeader header{static_cast<int32_t>(plan_.work.size()),
-                          static_cast<int32_t>(plan_.merges.size()),
-                          plan_.num_slots(),
-                          plan_.chunk_tokens,
-                          static_cast<int32_t>(plan_.requests.size()),
-                          max_merge_rows};
+                          static_cast<int32_t>(plan_.merges.size()), plan_.num_slots(),
+                          plan_.chunk_tokens};
   std::memcpy(base + layout_.header, &header, sizeof(header));
   std::memcpy(base + layout_.work, plan_.work.data(), plan_.work.size() * sizeof(WorkItem));
   std::memcpy(base + layout_.merges, plan_.merges.data(), plan_.merges.size() * sizeof(MergeRow));
-  std::memcpy(base + layout_.requests, plan_.requests.data(),
-              plan_.requests.size() * sizeof(RequestInfo));
   std::memcpy(base + layout_.slot_rows, plan_.slot_row_offset.data(),
               plan_.slot_row_offset.size() * sizeof(int64_t));
   std::memset(base + layout_.merge_counters, 0, plan_.merges.size() * sizeof(int32_t));
@@ -145,7 +135,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   // The chunk length: the smallest multiple of the granularity, at least min_chunk_tokens, whose
   // work list fits one wave. items_for_chunk() never grows with the chunk, so binary search over
   // granules. When even the unsplit list overfills the wave, see below.
-  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm;
+  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
   const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
   const int64_t hi_granules = std::max<int64_t>(1, (longest + gran - 1) / gran);
   int64_t lo = std::min(hi_granules, (int64_t(policy_.min_chunk_tokens) + gran - 1) / gran);
@@ -188,7 +178,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     if (!has_query_[r]) continue;
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
     if (len <= chunk) {
-      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1, -1};
+      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1, -1, plan_.requests[r]};
       continue;
     }
     const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
@@ -198,7 +188,8 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       for (int32_t c = 0; c < chunks; ++c) {
         const int32_t begin = static_cast<int32_t>(c * chunk);
         const int32_t end = static_cast<int32_t>(std::min<int64_t>(begin + chunk, len));
-        *out++ = {r, h, begin, end, first_slot + c, static_cast<int32_t>(plan_.merges.size())};
+        *out++ = {r, h, begin, end, first_slot + c, static_cast<int32_t>(plan_.merges.size()),
+                  plan_.requests[r]};
         plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
       }
       plan_.merges.push_back({r, h, first_slot, chunks});

@@ -37,8 +37,18 @@ struct PlanCapacity {
 };
 
 struct SplitPolicy {
+  int32_t waves = 1;               // a split list may fill this many waves of CTAs
   int32_t min_chunk_tokens = 256;  // a split never makes chunks shorter than this
   int32_t granularity = 16;        // chunk lengths are multiples of lcm(page_size, granularity)
+};
+
+// Per request, what the kernels need to find its rows; every work item carries its request's
+// copy, so a CTA's first load of the plan tells it everything (no dependent load).
+struct RequestInfo {
+  int32_t q_start;     // first query row (qo_indptr[r])
+  int32_t qo_len;
+  int32_t kv_len;
+  int32_t page_begin;  // kv_indptr[r]: its first entry of kv_indices
 };
 
 struct WorkItem {  // one CTA: one request's query rows for one KV head over a token range
@@ -48,15 +58,7 @@ struct WorkItem {  // one CTA: one request's query rows for one KV head over a t
   int32_t kv_end;
   int32_t partial_slot;  // -1: writes O / LSE directly; else its partial-state slot
   int32_t merge;         // its merge row when split (-1 otherwise)
-};
-
-// Per request, what the kernels need to find its rows: copied with the plan, so run() reads no
-// index array of the user's but the page ids themselves.
-struct RequestInfo {
-  int32_t q_start;     // first query row (qo_indptr[r])
-  int32_t qo_len;
-  int32_t kv_len;
-  int32_t page_begin;  // kv_indptr[r]: its first entry of kv_indices
+  RequestInfo req;
 };
 
 // The slots of one merge row are consecutive (first_slot .. first_slot + num_slots - 1) and hold
@@ -72,7 +74,7 @@ struct MergeRow {  // one (request, KV head) whose chunk partials are merged int
 struct Plan {
   std::vector<WorkItem> work;             // launch order
   std::vector<MergeRow> merges;
-  std::vector<RequestInfo> requests;      // [batch]
+  std::vector<RequestInfo> requests;      // [batch] (each work item carries its own copy)
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
   int32_t chunk_tokens = 0;               // chosen chunk length; 0 when nothing is split
   int32_t wave_ctas = 0;                  // num_sms x ctas_per_sm the plan was balanced for
@@ -90,15 +92,12 @@ struct PlanHeader {
   int32_t num_merges;
   int32_t num_slots;
   int32_t chunk_tokens;
-  int32_t batch_size;
-  int32_t max_merge_rows;  // largest qo_len x group over merged requests (rows of a merge row)
 };
 
 struct WorkspaceLayout {
   std::size_t header = 0;       // PlanHeader
   std::size_t work = 0;         // WorkItem[max_work_items]
   std::size_t merges = 0;       // MergeRow[max_slots]
-  std::size_t requests = 0;     // RequestInfo[max_batch_size]
   std::size_t slot_rows = 0;    // int64_t[max_slots + 1]
   std::size_t merge_counters = 0;  // int32_t[max_slots]: chunks finished per merge row, zeroed
                                    // by every plan copy and reset by the CTA that merges

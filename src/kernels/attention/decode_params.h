@@ -28,7 +28,7 @@ struct DecodeParams {
   const void* v_pages = nullptr;
   int32_t k_stride_page = 0, k_stride_token = 0, k_stride_head = 0;
   int32_t v_stride_page = 0, v_stride_token = 0, v_stride_head = 0;
-  const int32_t* kv_indices = nullptr;  // device: page ids, request r's from requests[r].page_begin
+  const int32_t* kv_indices = nullptr;  // device: page ids; a work item's from its req.page_begin
   int page_size = 1;
   // token / page_size = (umulhi(token, page_magic) + token) >> page_shift (see page_index()).
   unsigned page_magic = 0;
@@ -37,7 +37,6 @@ struct DecodeParams {
   // The plan, in the workspace.
   const plan::PlanHeader* header = nullptr;
   const plan::WorkItem* work = nullptr;
-  const plan::RequestInfo* requests = nullptr;
   const plan::MergeRow* merges = nullptr;
   const int64_t* slot_rows = nullptr;
   float* partial_o = nullptr;    // [partial rows, head_dim]

@@ -32,14 +32,11 @@ struct DecodeTileConfig {
   static constexpr int kBlockN = 8192 / kHeadDim;  // keys per stage: K + V tiles are 32 KB
   static constexpr int kWarps = kBlockN / 16;      // each warp owns 16 keys of every stage
   static constexpr int kThreads = kWarps * 32;
-#ifndef TESSERA_DECODE_STAGES
-#define TESSERA_DECODE_STAGES 3
-#endif
-#ifndef TESSERA_DECODE_MIN_BLOCKS
-#define TESSERA_DECODE_MIN_BLOCKS 2
-#endif
-  static constexpr int kStages = TESSERA_DECODE_STAGES;
-  static constexpr int kMinBlocksPerSM = TESSERA_DECODE_MIN_BLOCKS;
+  // Measured on H200 (hd128, NHD page 16, see notes/decode.md): 3 stages x 2 CTAs per SM beat
+  // 2 stages x 3 CTAs (b64 x 4K: 4.32 vs 3.86 TB/s, a wave-quantisation tail) and 4 or 6 stages
+  // x 1 CTA (2.5 and 2.3 TB/s: one CTA per SM cannot issue the copies fast enough).
+  static constexpr int kStages = 3;
+  static constexpr int kMinBlocksPerSM = 2;
   static constexpr int kRows = 16;                 // query rows per pass: one m16 tile
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one K/V/Q row
   // A thread copies one chunk column of kRowsPerThread rows, kRowStep apart, of each stage.
@@ -69,13 +66,13 @@ __device__ inline int page_index(const DecodeParams& p, int token) {
 
 // Merges the chunk partials of one split (request, KV head) into O / LSE: run by the CTA that
 // finished the request's last chunk. Each (query row, 8-element vector) pair is accumulated by
-// `lanes` threads over interleaved slots (four loads in flight per thread), folded through shared
+// `lanes` threads over interleaved slots (eight loads in flight per thread), folded through shared
 // memory. Fixed order of slots and folds: the result does not depend on which CTA merges.
 template <typename T, int kHeadDim, int kThreads>
 __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow& m,
                                      const plan::RequestInfo& req, int group, float* scratch) {
   constexpr int kVecs = kHeadDim / 8;
-  constexpr int kBatch = 4;
+  constexpr int kBatch = kThreads > 128 ? 4 : 8;  // hd64's 256 threads have 128 registers each
   constexpr int kStash = 3 + MergeAccumulator::kElems;  // max, sum, nan, acc[8]
   const int rows = req.qo_len * group;
   const int pairs = rows * kVecs;
@@ -172,10 +169,16 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
   const Logits logits(p.scale, p.soft_cap);
   const LdmatrixLane<T, kRows, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
+  // The work item is loaded together with the item count (the grid never exceeds the work list's
+  // capacity, so work[blockIdx.x] is in bounds): one round trip before the page ids.
   const int num_work = p.header->num_work;
+  plan::WorkItem next = p.work[blockIdx.x];
   for (int item = blockIdx.x; item < num_work; item += gridDim.x) {
-    const plan::WorkItem w = p.work[item];
-    const plan::RequestInfo req = p.requests[w.request];
+    const plan::WorkItem w = next;
+    if (item + gridDim.x < num_work) next = p.work[item + gridDim.x];
+    const plan::RequestInfo& req = w.req;
+    // A split item's merge row, loaded now so that the end of the item does not wait for it.
+    const plan::MergeRow merge = w.partial_slot >= 0 ? p.merges[w.merge] : plan::MergeRow{};
     const int rows = req.qo_len * group;
     const int offset = req.kv_len - req.qo_len;  // bottom-right alignment
     const int32_t* pages = p.kv_indices + req.page_begin;
@@ -210,15 +213,15 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
       // copy loop is most of the kernel's instructions (measured: integer ops were 600 of 950
       // instructions per tile before it was made branch-free with 32-bit strides).
       int page_ids[Cfg::kRowsPerThread];
-      auto fetch_pages = [&](int tile) {
+      auto fetch_pages = [&](int tile, int (&ids)[Cfg::kRowsPerThread]) {
         const int n0 = begin + tile * kBlockN;
 #pragma unroll
         for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
           const int token = min(n0 + copy_row + i * Cfg::kRowStep, end - 1);
-          page_ids[i] = __ldg(pages + page_index(p, token));
+          ids[i] = __ldg(pages + page_index(p, token));
         }
       };
-      auto issue = [&](int tile) {
+      auto issue = [&](int tile, const int (&ids)[Cfg::kRowsPerThread]) {
         const int n0 = begin + tile * kBlockN;
         const KVTile kt = k_tile(tile % kStages), vt = v_tile(tile % kStages);
 #pragma unroll
@@ -227,9 +230,9 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
           const bool valid = n0 + row < end;
           const int token = min(n0 + row, end - 1);
           const int slot = token - page_index(p, token) * p.page_size;
-          const T* k_src = k_head + int64_t(page_ids[i]) * p.k_stride_page +
+          const T* k_src = k_head + int64_t(ids[i]) * p.k_stride_page +
                              int64_t(slot) * p.k_stride_token;
-          const T* v_src = v_head + int64_t(page_ids[i]) * p.v_stride_page +
+          const T* v_src = v_head + int64_t(ids[i]) * p.v_stride_page +
                              int64_t(slot) * p.v_stride_token;
           cp_async_16(kt.at(row, copy_col), k_src, valid);
           cp_async_16(vt.at(row, copy_col), v_src, valid);
@@ -238,15 +241,18 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
 
       // Prologue: tiles 0 .. kStages - 2 in flight (one commit group each, Q in the first), and
       // the page ids of the next tile to issue in registers.
-#pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < num_tiles) {
-          fetch_pages(s);
-          issue(s);
-        }
+      static_assert(kStages == 3, "the prologue below fills two stages");
+      {
+        // The page ids of the first three tiles are requested together (one round trip).
+        int first_ids[Cfg::kRowsPerThread];
+        if (num_tiles > 0) fetch_pages(0, first_ids);
+        if (num_tiles > 1) fetch_pages(1, page_ids);
+        if (num_tiles > 0) issue(0, first_ids);
+        cp_async_commit();
+        if (num_tiles > 1) issue(1, page_ids);
         cp_async_commit();
       }
-      if (kStages - 1 < num_tiles) fetch_pages(kStages - 1);
+      if (kStages - 1 < num_tiles) fetch_pages(kStages - 1, page_ids);
       // The query token of this lane's two rows (g and g + 8), for the per-key mask.
       const int lane_qi[2] = {min(r0 + g, rows - 1) / group, min(r0 + g + 8, rows - 1) / group};
       float o_acc[kDTiles][4] = {};
@@ -258,9 +264,9 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
         cp_async_wait<kStages - 2>();
         __syncthreads();  // tile (and Q) landed; every warp is done with tile - 1's stage
         const int refill = tile + kStages - 1;
-        if (refill < num_tiles) issue(refill);  // into tile - 1's stage
+        if (refill < num_tiles) issue(refill, page_ids);  // into tile - 1's stage
         cp_async_commit();
-        if (refill + 1 < num_tiles) fetch_pages(refill + 1);  // lands while this tile computes
+        if (refill + 1 < num_tiles) fetch_pages(refill + 1, page_ids);  // lands while this tile computes
         if constexpr (Cfg::kQInRegisters) {
           if (tile == 0) {
 #pragma unroll
@@ -432,12 +438,11 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
       __shared__ int merges_here;
       __threadfence();  // this CTA's partials are visible device-wide before it is counted
       __syncthreads();
-      const plan::MergeRow m = p.merges[w.merge];
-      if (threadIdx.x == 0) merges_here = atomicAdd(p.merge_counters + w.merge, 1) == m.num_slots - 1;
+      if (threadIdx.x == 0) merges_here = atomicAdd(p.merge_counters + w.merge, 1) == merge.num_slots - 1;
       __syncthreads();
       if (merges_here) {
         __threadfence();
-        merge_chunk_partials<T, kHeadDim, kThreads>(p, m, req, group, scratch);
+        merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch);
         if (threadIdx.x == 0) p.merge_counters[w.merge] = 0;  // ready for the next layer's run()
         __syncthreads();  // the scratch is refilled by the next item
       }
