@@ -405,6 +405,67 @@ int bench_decode(const Args& a) {
   return 0;
 }
 
+// prefill_paged: the prefill cases with K/V in a paged cache (page_size, layout; pages of each
+// request in a shuffled order, written with append_paged_kv), timed next to the ragged kernel on
+// the same tokens in the same process: the record's notes carry both and their ratio.
+int bench_prefill_paged(const Args& a) {
+  const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
+  const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
+  const bool causal = arg(a, "causal", "false") == "true";
+  const int P = arg_int(a, "page_size", "16");
+  const KVLayout layout = arg(a, "layout", "NHD") == "HND" ? KVLayout::kHND : KVLayout::kNHD;
+  PrefillProblem prob(batch, seq, qh, kh, d, causal);
+
+  // Page table: request i owns ceil(seq / P) pages, drawn from a shuffled pool.
+  const int pages_per_req = (seq + P - 1) / P;
+  const int num_pages = batch * pages_per_req;
+  std::vector<int32_t> ids(num_pages), indptr(batch + 1), last(batch);
+  for (int i = 0; i < num_pages; ++i) ids[i] = i;
+  SplitMix64 rng{7};
+  for (size_t i = ids.size(); i-- > 1;) std::swap(ids[i], ids[rng.next() % (i + 1)]);
+  for (int r = 0; r <= batch; ++r) indptr[r] = r * pages_per_req;
+  for (int r = 0; r < batch; ++r) last[r] = seq - (pages_per_req - 1) * P;
+  Buffer d_ids(ids.size() * 4), d_indptr(indptr.size() * 4), d_last(last.size() * 4);
+  cuda_ok(cudaMemcpy(d_ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
+  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+  cuda_ok(cudaMemcpy(d_last.get(), last.data(), last.size() * 4, cudaMemcpyHostToDevice), "upload");
+  const size_t page_bytes = size_t(P) * kh * d * 2;
+  Buffer kp(num_pages * page_bytes), vp(num_pages * page_bytes);
+  PagedKVCache cache;
+  cache.layout = layout;
+  const int64_t d1 = layout == KVLayout::kNHD ? P : kh, d2 = layout == KVLayout::kNHD ? kh : P;
+  cache.k_pages = TensorView::contiguous(kp.get(), DType::kBF16, {num_pages, d1, d2, d});
+  cache.v_pages = TensorView::contiguous(vp.get(), DType::kBF16, {num_pages, d1, d2, d});
+  PageTable table;
+  table.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
+  table.indices = TensorView::contiguous(d_ids.get(), DType::kInt32, {num_pages});
+  table.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
+  table.host_indptr = indptr.data();
+  table.host_indices = ids.data();
+  table.host_last_page_len = last.data();
+  append_paged_kv(cache, table, prob.args.kv_indptr, prob.args.k, prob.args.v, nullptr,
+                  prob.indptr.data());
+
+  PagedPrefillArgs pa;
+  pa.q = prob.args.q;
+  pa.qo_indptr = prob.args.qo_indptr;
+  pa.host_qo_indptr = prob.indptr.data();
+  pa.cache = cache;
+  pa.table = table;
+  pa.o = prob.args.o;
+  pa.lse = prob.args.lse;
+  pa.causal = causal;
+  const double flops = 4.0 * batch * qh * double(seq) * seq * d * (causal ? 0.5 : 1.0);
+  const double ragged_ms = median_ms([&](int) { batch_prefill(prob.args, nullptr); }, 3, 20);
+  const double paged_ms = median_ms([&](int) { batch_prefill_paged(pa, nullptr); }, 3, 20);
+  std::printf("{\"suite\": \"prefill_paged\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
+              "\"tessera\": %.2f, \"time_us\": %.1f, \"ragged_tflops\": %.2f, "
+              "\"paged_over_ragged\": %.3f, \"page_size\": %d, \"layout\": \"%s\"}\n",
+              arg(a, "name").c_str(), flops / (paged_ms * 1e-3) / 1e12, paged_ms * 1e3,
+              flops / (ragged_ms * 1e-3) / 1e12, ragged_ms / paged_ms, P, kv_layout_name(layout));
+  return 0;
+}
+
 // memory: one head, seq tokens, hd: what tessera holds beyond its inputs (o + lse + any
 // workspace, from the device's free-memory readings around the call) against what materialised
 // fp32 scores would need.
@@ -457,6 +518,7 @@ int main(int argc, char** argv) {
     if (suite == "prefill_portable") return bench_prefill("prefill_portable", a, AttentionPath::kPortable);
     if (suite == "prefill") return bench_prefill("prefill", a, AttentionPath::kAuto);
     if (suite == "memory") return bench_memory(a);
+    if (suite == "prefill_paged") return bench_prefill_paged(a);
   } catch (const Error& e) {
     std::fprintf(stderr, "tessera_bench: %s\n", e.what());
     return 1;

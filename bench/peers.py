@@ -55,6 +55,9 @@ SUITES = {
                     peers=["cudnn", "torch_flash", "flex"], ceilings=["gemm"]),
     "prefill_portable": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
                              peers=["cudnn", "torch_flash", "flex"], ceilings=["gemm"]),
+    # Paged K/V; the peers read the same tokens from contiguous K/V (they have no paged prefill).
+    "prefill_paged": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
+                          peers=["cudnn", "torch_flash"], ceilings=["gemm"]),
     "decode": dict(params=["batch", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
                    peers=["cudnn", "torch_flash"], ceilings=["read", "copy"]),
     # moe_gemm's "gemm" ceiling is per case: one dense torch.mm of the same FLOPs (M=tokens, K, N)
@@ -127,7 +130,7 @@ def merge_dtypes(p):
 
 def case_work(suite, p):
     """FLOPs (TFLOP/s suites) or bytes (TB/s suites) that one call does."""
-    if suite in ("prefill", "prefill_portable"):
+    if suite in ("prefill", "prefill_portable", "prefill_paged"):
         flops = 4 * p["batch"] * p["num_qo_heads"] * p["seq"] * p["seq"] * p["head_dim"]
         return flops / 2 if p["causal"] else flops
     if suite == "decode":  # K and V rows of every request read once (real lengths, no padding)
@@ -149,7 +152,7 @@ def case_work(suite, p):
 
 def set_bytes(suite, p):
     """Device bytes of one input set (what one call touches), used to decide rotation."""
-    if suite in ("prefill", "prefill_portable"):
+    if suite in ("prefill", "prefill_portable", "prefill_paged"):
         q = p["batch"] * p["num_qo_heads"] * p["seq"] * p["head_dim"] * 2
         kv = p["batch"] * p["num_kv_heads"] * p["seq"] * p["head_dim"] * 2
         return 2 * q + 2 * kv
@@ -691,7 +694,7 @@ def run_merge(p, args):
     return peers, notes, {}
 
 
-RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "decode": run_decode,
+RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "prefill_paged": run_prefill, "decode": run_decode,
            "moe_gemm": run_moe_gemm, "append": run_append, "merge": run_merge}
 
 

@@ -17,7 +17,7 @@ import sys
 
 # Suites with a tessera benchmark, and the ceilings their records are compared with.
 TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"], "decode": ["copy", "read"],
-                  "prefill_portable": [], "prefill": [], "memory": []}
+                  "prefill_portable": [], "prefill": [], "prefill_paged": [], "memory": []}
 
 
 def last_json_line(text):

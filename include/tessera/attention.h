@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "tessera/kv_cache.h"
 #include "tessera/stream.h"
 #include "tessera/tensor.h"
 
@@ -44,5 +45,28 @@ void batch_prefill(const PrefillArgs& args, cudaStream_t stream);
 
 // The family kAuto picks for this problem on the current GPU (without running anything).
 AttentionPath choose_prefill_path(const PrefillArgs& args);
+
+// Batch prefill / extend over a paged KV cache: ragged queries (request i's rows
+// [qo_indptr[i], qo_indptr[i+1]) are the last qo_len positions of its sequence) against the
+// request's pages (cache layout NHD or HND, strided pages allowed, same dtype as q). The same
+// kernels as batch_prefill with a paged row loader; masks, variants and outputs as PrefillArgs.
+// The page table's host copies are required: the launch is sized from them and every page id is
+// checked against the cache (O(pages) on the host).
+struct PagedPrefillArgs {
+  TensorView q;
+  TensorView qo_indptr;
+  const int32_t* host_qo_indptr = nullptr;
+  PagedKVCache cache;
+  PageTable table;
+  TensorView o;
+  TensorView lse;  // optional
+  bool causal = false;
+  int window_left = -1;
+  float scale = 0.f;
+  float soft_cap = 0.f;
+  AttentionPath path = AttentionPath::kAuto;
+};
+
+void batch_prefill_paged(const PagedPrefillArgs& args, cudaStream_t stream);
 
 }  // namespace tessera

@@ -5,6 +5,8 @@
 #include <string>
 
 #include "core/arg_check.h"
+#include "core/fast_divisor.h"
+#include "format/bsr.h"
 #include "dispatch/prefill_dispatch.h"
 #include "kernels/attention/prefill_params.h"
 #include "tessera/attention.h"
@@ -15,40 +17,57 @@
 namespace tessera {
 namespace {
 
+void check_variant(const detail::ArgCheck& check, int window_left, float scale, float soft_cap) {
+  check.require(window_left >= -1, "window_left",
+                "must be -1 (no window) or >= 0, got " + std::to_string(window_left));
+  check.require(std::isfinite(scale) && scale >= 0.f, "scale",
+                "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  check.require(std::isfinite(soft_cap) && soft_cap >= 0.f, "soft_cap",
+                "must be finite and >= 0 (0 means no soft-cap)");
+}
+
+// q / o / lse of a prefill: shapes, dtypes, layouts, and no overlap with `inputs`.
+void check_queries_and_outputs(const detail::ArgCheck& check, const TensorView& q,
+                               const TensorView& o, const TensorView& lse,
+                               std::initializer_list<std::pair<const TensorView*, const char*>> inputs) {
+  check.tensor(q, "q", 3);
+  check.tensor(o, "o", 3);
+  check.dtype(q, "q", {DType::kBF16, DType::kFP16});
+  check.dtype(o, "o", {q.dtype});
+  check.same_shape(q, "q", o, "o");
+  check.vectorizable_rows(q, "q");
+  check.vectorizable_rows(o, "o");
+  if (!lse.empty_view()) {
+    check.tensor(lse, "lse", 2);
+    check.dtype(lse, "lse", {DType::kFP32});
+    check.require(lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
+                  "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
+                      std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
+    check.output_layout(lse, "lse");
+    check.disjoint(lse, "lse", o, "o");
+  }
+  check.output_layout(o, "o");
+  check.disjoint(o, "o", q, "q");
+  if (!lse.empty_view()) check.disjoint(lse, "lse", q, "q");
+  for (auto [in, name] : inputs) {
+    check.disjoint(o, "o", *in, name);
+    if (!lse.empty_view()) check.disjoint(lse, "lse", *in, name);
+  }
+}
+
 void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
-  check.tensor(a.q, "q", 3);
   check.tensor(a.k, "k", 3);
   check.tensor(a.v, "v", 3);
-  check.tensor(a.o, "o", 3);
-  check.dtype(a.q, "q", {DType::kBF16, DType::kFP16});
+  check_queries_and_outputs(check, a.q, a.o, a.lse, {{&a.k, "k"}, {&a.v, "v"}});
   check.dtype(a.k, "k", {a.q.dtype});
   check.dtype(a.v, "v", {a.q.dtype});
-  check.dtype(a.o, "o", {a.q.dtype});
   check.same_shape(a.k, "k", a.v, "v");
-  check.same_shape(a.q, "q", a.o, "o");
   check.require(a.k.size(2) == a.q.size(2), "k",
                 "head_dim " + std::to_string(a.k.size(2)) + " must equal q's head_dim " +
                     std::to_string(a.q.size(2)));
   check.head_config(a.q.size(1), a.k.size(1), a.q.size(2), dispatch::compiled_prefill_head_dims());
-  for (auto [t, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.o, "o"}}) {
-    check.vectorizable_rows(*t, name);
-  }
-  if (!a.lse.empty_view()) {
-    check.tensor(a.lse, "lse", 2);
-    check.dtype(a.lse, "lse", {DType::kFP32});
-    check.require(a.lse.size(0) == a.q.size(0) && a.lse.size(1) == a.q.size(1), "lse",
-                  "shape " + detail::shape_string(a.lse) + " must be [total_q, num_qo_heads] = [" +
-                      std::to_string(a.q.size(0)) + ", " + std::to_string(a.q.size(1)) + "]");
-  }
-  check.output_layout(a.o, "o");
-  for (auto [in, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}}) {
-    check.disjoint(a.o, "o", *in, name);
-    if (!a.lse.empty_view()) check.disjoint(a.lse, "lse", *in, name);
-  }
-  if (!a.lse.empty_view()) {
-    check.output_layout(a.lse, "lse");
-    check.disjoint(a.lse, "lse", a.o, "o");
-  }
+  check.vectorizable_rows(a.k, "k");
+  check.vectorizable_rows(a.v, "v");
   check.index_array(a.qo_indptr, "qo_indptr");
   check.index_array(a.kv_indptr, "kv_indptr");
   check.require(a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
@@ -60,12 +79,7 @@ void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   const int64_t n = a.qo_indptr.size(0);
   check.indptr_host(a.host_qo_indptr, n, "qo_indptr", a.q.size(0), /*exact_end=*/false);
   check.indptr_host(a.host_kv_indptr, n, "kv_indptr", a.k.size(0), /*exact_end=*/false);
-  check.require(a.window_left >= -1, "window_left",
-                "must be -1 (no window) or >= 0, got " + std::to_string(a.window_left));
-  check.require(std::isfinite(a.scale) && a.scale >= 0.f, "scale",
-                "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  check.require(std::isfinite(a.soft_cap) && a.soft_cap >= 0.f, "soft_cap",
-                "must be finite and >= 0 (0 means no soft-cap)");
+  check_variant(check, a.window_left, a.scale, a.soft_cap);
   check.require(a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
   check.require(a.k.size(0) < (int64_t(1) << 31), "k", "more than 2^31 - 1 rows");
   // The launch grid is (query tiles, requests, heads); CUDA caps the last two at 65535.
@@ -82,7 +96,7 @@ namespace {
 struct CurrentGpu {
   int cc_major = 0, cc_minor = 0;
 };
-CurrentGpu current_gpu() {
+CurrentGpu current_gpu(const char* entry_point) {
   constexpr int kMaxDevices = 64;
   // major * 100 + minor per device, 0 until looked up; atomics because engines call from many
   // threads (each looks up the same value, so the first store wins nothing it can break).
@@ -91,13 +105,13 @@ CurrentGpu current_gpu() {
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
     cudaGetLastError();
     const DeviceInfo info = device_info();
-    if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
+    if (!info.present) throw Error(std::string("tessera::") + entry_point + ": no GPU: " + info.reason);
     return {info.cc_major, info.cc_minor};
   }
   int cc = cached[device].load(std::memory_order_relaxed);
   if (cc == 0) {
     const DeviceInfo info = device_info(device);
-    if (!info.present) throw Error("tessera::batch_prefill: no GPU: " + info.reason);
+    if (!info.present) throw Error(std::string("tessera::") + entry_point + ": no GPU: " + info.reason);
     cc = info.cc_major * 100 + info.cc_minor;
     cached[device].store(cc, std::memory_order_relaxed);
   }
@@ -105,8 +119,127 @@ CurrentGpu current_gpu() {
 }
 }  // namespace
 
+namespace {
+
+void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
+  const PagedKVCache& c = a.cache;
+  check.tensor(c.k_pages, "k_pages", 4);
+  check.tensor(c.v_pages, "v_pages", 4);
+  check_queries_and_outputs(check, a.q, a.o, a.lse, {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}});
+  check.dtype(c.k_pages, "k_pages", {a.q.dtype});
+  check.dtype(c.v_pages, "v_pages", {a.q.dtype});
+  check.same_shape(c.k_pages, "k_pages", c.v_pages, "v_pages");
+  check.vectorizable_rows(c.k_pages, "k_pages");
+  check.vectorizable_rows(c.v_pages, "v_pages");
+  check.require(c.head_dim() == a.q.size(2), "k_pages",
+                "head_dim " + std::to_string(c.head_dim()) + " must equal q's head_dim " +
+                    std::to_string(a.q.size(2)));
+  check.head_config(a.q.size(1), c.num_kv_heads(), a.q.size(2), dispatch::compiled_prefill_head_dims());
+  check.require(c.page_size() >= 1, "k_pages", "page_size must be at least 1");
+  for (const TensorView* t : {&c.k_pages, &c.v_pages}) {
+    for (int d = 0; d < 3; ++d) {
+      check.require(t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
+                    t == &c.k_pages ? "k_pages" : "v_pages",
+                    "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
+                        " must be in 0..2^31 - 1");
+    }
+  }
+  check_variant(check, a.window_left, a.scale, a.soft_cap);
+
+  check.index_array(a.qo_indptr, "qo_indptr");
+  check.index_array(a.table.indptr, "kv_indptr");
+  check.index_array(a.table.indices, "kv_indices");
+  check.index_array(a.table.last_page_len, "kv_last_page_len");
+  check.require(a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
+  const int64_t n = a.qo_indptr.size(0);
+  check.dim(a.table.indptr, "kv_indptr", 0, n, "qo_indptr's length");
+  check.dim(a.table.last_page_len, "kv_last_page_len", 0, n - 1, "the batch size");
+  check.require(a.host_qo_indptr != nullptr, "host_qo_indptr",
+                "is required (a host copy of qo_indptr sizes the launch)");
+  check.require(a.table.host_indptr != nullptr, "host_indptr",
+                "is required (a host copy of kv_indptr sizes the launch)");
+  check.require(a.table.host_indices != nullptr, "host_indices",
+                "is required (a host copy of kv_indices: page ids are checked against the cache)");
+  check.require(a.table.host_last_page_len != nullptr, "host_last_page_len",
+                "is required (a host copy of kv_last_page_len)");
+  check.indptr_host(a.host_qo_indptr, n, "qo_indptr", a.q.size(0), /*exact_end=*/false);
+  check.indptr_host(a.table.host_indptr, n, "kv_indptr", a.table.indices.size(0), /*exact_end=*/false);
+  const auto bsr = format::bsr_from_page_table(static_cast<int32_t>(c.page_size()), static_cast<int32_t>(n - 1),
+                                               a.table.host_indptr, a.table.host_indices,
+                                               a.table.host_last_page_len);
+  const std::string bad = format::check_bsr(bsr, c.num_pages());
+  if (!bad.empty()) {
+    const auto colon = bad.find(':');
+    const bool named = colon != std::string::npos && bad.compare(0, 3, "kv_") == 0;
+    check.fail(named ? bad.substr(0, colon).c_str() : "kv_indptr", named ? bad.substr(colon + 2) : bad);
+  }
+  check.require(a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
+  check.require(n - 1 <= 65535, "qo_indptr", "batch size " + std::to_string(n - 1) + " exceeds 65535 requests");
+  check.require(a.q.size(1) <= 65535, "q", "more than 65535 query heads");
+}
+
+}  // namespace
+
+void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
+  const detail::ArgCheck check("batch_prefill_paged");
+  validate_paged(check, a);
+  const CurrentGpu gpu = current_gpu("batch_prefill_paged");
+  const auto choice = dispatch::choose_prefill(a.path, gpu.cc_major, gpu.cc_minor, a.q.dtype,
+                                               static_cast<int>(a.q.size(2)));
+  if (!choice.ok) throw Error("tessera::batch_prefill_paged: argument 'path': " + choice.why_not);
+
+  const PagedKVCache& c = a.cache;
+  const bool nhd = c.layout == KVLayout::kNHD;
+  kernels::PrefillParams p;
+  p.q = a.q.data;
+  p.k = c.k_pages.data;
+  p.v = c.v_pages.data;
+  p.o = a.o.data;
+  p.q_stride_row = a.q.stride[0];
+  p.q_stride_head = a.q.stride[1];
+  p.o_stride_row = a.o.stride[0];
+  p.o_stride_head = a.o.stride[1];
+  p.k_stride_head = c.k_pages.stride[nhd ? 2 : 1];
+  p.v_stride_head = c.v_pages.stride[nhd ? 2 : 1];
+  p.paged = true;
+  p.k_stride_page = static_cast<int32_t>(c.k_pages.stride[0]);
+  p.k_stride_token = static_cast<int32_t>(c.k_pages.stride[nhd ? 1 : 2]);
+  p.v_stride_page = static_cast<int32_t>(c.v_pages.stride[0]);
+  p.v_stride_token = static_cast<int32_t>(c.v_pages.stride[nhd ? 1 : 2]);
+  p.page_size = static_cast<int>(c.page_size());
+  const detail::FastDivisor div = detail::fast_divisor(static_cast<uint32_t>(p.page_size));
+  p.page_magic = div.magic;
+  p.page_shift = div.shift;
+  p.kv_indices = static_cast<const int32_t*>(a.table.indices.data);
+  p.kv_last_page_len = static_cast<const int32_t*>(a.table.last_page_len.data);
+  if (!a.lse.empty_view()) {
+    p.lse = static_cast<float*>(a.lse.data);
+    p.lse_stride_row = a.lse.stride[0];
+    p.lse_stride_head = a.lse.stride[1];
+  }
+  p.qo_indptr = static_cast<const int32_t*>(a.qo_indptr.data);
+  p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
+  p.batch_size = static_cast<int>(a.qo_indptr.size(0) - 1);
+  p.num_qo_heads = static_cast<int>(a.q.size(1));
+  p.num_kv_heads = static_cast<int>(c.num_kv_heads());
+  int max_qo = 0;
+  int64_t max_kv = 0;
+  for (int i = 0; i < p.batch_size; ++i) {
+    max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
+    const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
+    max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
+  }
+  check.require(max_kv < (int64_t(1) << 31), "kv_indptr", "a request holds more than 2^31 - 1 tokens");
+  p.max_qo_len = max_qo;
+  p.causal = a.causal;
+  p.window_left = a.window_left >= max_kv ? -1 : a.window_left;
+  p.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(static_cast<float>(a.q.size(2)));
+  p.soft_cap = a.soft_cap;
+  kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(a.q.size(2)), p, stream);
+}
+
 AttentionPath choose_prefill_path(const PrefillArgs& args) {
-  const CurrentGpu gpu = current_gpu();
+  const CurrentGpu gpu = current_gpu("batch_prefill");
   const auto c = dispatch::choose_prefill(args.path, gpu.cc_major, gpu.cc_minor, args.q.dtype,
                                           static_cast<int>(args.q.size(2)));
   if (!c.ok) throw Error("tessera::batch_prefill: argument 'path': " + c.why_not);

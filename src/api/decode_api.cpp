@@ -8,6 +8,7 @@
 
 #include "core/arg_check.h"
 #include "core/cuda_check.h"
+#include "core/fast_divisor.h"
 #include "dispatch/decode_dispatch.h"
 #include "dispatch/prefill_dispatch.h"
 #include "format/bsr.h"
@@ -83,20 +84,6 @@ plan::SplitPolicy split_policy() {
   plan::SplitPolicy policy;
   policy.waves = TESSERA_DECODE_SPLIT_WAVES;
   return policy;
-}
-
-// Division by a runtime page size on the device: shift = ceil(log2 d),
-// magic = floor(2^32 (2^shift - d) / d) + 1; then n / d = (umulhi(n, magic) + n) >> shift for
-// 0 <= n < 2^31.
-struct FastDivisor {
-  unsigned magic;
-  int shift;
-};
-FastDivisor fast_divisor(uint32_t d) {
-  int shift = 0;
-  while ((uint64_t(1) << shift) < d) ++shift;
-  const uint64_t magic = ((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1;
-  return {static_cast<unsigned>(magic), shift};
 }
 
 }  // namespace
@@ -307,7 +294,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   p.v_stride_head = static_cast<int32_t>(cache.v_pages.stride[nhd ? 2 : 1]);
   p.kv_indices = static_cast<const int32_t*>(table.indices.data);
   p.page_size = c.page_size;
-  const FastDivisor div = fast_divisor(static_cast<uint32_t>(c.page_size));
+  const detail::FastDivisor div = detail::fast_divisor(static_cast<uint32_t>(c.page_size));
   p.page_magic = div.magic;
   p.page_shift = div.shift;
   unsigned char* ws = im.workspace;

@@ -9,8 +9,8 @@
 namespace tessera::kernels {
 
 struct PrefillParams {
-  // Ragged Q/O [total_q, num_qo_heads, head_dim], K/V [total_kv, num_kv_heads, head_dim]; element
-  // strides of the row and head dims (head_dim is contiguous).
+  // Ragged Q/O [total_q, num_qo_heads, head_dim], K/V [total_kv, num_kv_heads, head_dim] (or pages,
+  // see below); element strides of the row and head dims (head_dim is contiguous).
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
@@ -22,7 +22,20 @@ struct PrefillParams {
   int64_t o_stride_row = 0, o_stride_head = 0;
   int64_t lse_stride_row = 0, lse_stride_head = 0;
   const int32_t* qo_indptr = nullptr;  // device [batch + 1]
-  const int32_t* kv_indptr = nullptr;  // device [batch + 1]
+  const int32_t* kv_indptr = nullptr;  // device [batch + 1]: rows (ragged) or pages (paged)
+
+  // Paged K/V (paged == true): k / v are the page tensors, element strides of the page, token and
+  // head dims below (each < 2^31), request r owns pages kv_indices[kv_indptr[r] ..] and its kv_len
+  // is page_size * (pages - 1) + kv_last_page_len[r]; token / page_size is computed as
+  // (umulhi(token, page_magic) + token) >> page_shift.
+  bool paged = false;
+  const int32_t* kv_indices = nullptr;
+  const int32_t* kv_last_page_len = nullptr;
+  int page_size = 1;
+  unsigned page_magic = 0;
+  int page_shift = 0;
+  int32_t k_stride_page = 0, k_stride_token = 0;
+  int32_t v_stride_page = 0, v_stride_token = 0;
   int batch_size = 0;
   int num_qo_heads = 0;
   int num_kv_heads = 0;

@@ -14,6 +14,7 @@
 
 #include "core/cuda_check.h"
 #include "kernels/attention/logits.cuh"
+#include "kernels/attention/portable/kv_source_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
 
@@ -57,20 +58,13 @@ struct MaskBand {
 template <typename T, int kRows, int kHeadDim, int kThreads>
 __device__ void load_tile_async(const SwizzledTile<T, kRows, kHeadDim>& tile, const T* head_base,
                                 int64_t row_stride, int row0, int valid_rows) {
-  constexpr int kChunks = kRows * kHeadDim / 8;
-  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among the threads");
-#pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    const int row = c / (kHeadDim / 8);
-    const int col = (c % (kHeadDim / 8)) * 8;
-    const bool valid = row0 + row < valid_rows;
-    const T* src = head_base + (valid ? int64_t(row0 + row) * row_stride : 0) + col;
-    cp_async_16(tile.at(row, col), src, valid);
-  }
+  const T* base = head_base + int64_t(row0) * row_stride;
+  copy_tile_rows<T, kRows, kHeadDim, kThreads>(tile, valid_rows - row0,
+                                               [&](int r) { return base + r * row_stride; });
 }
 
-template <typename T, int kHeadDim, typename Logits>
+// KV: RaggedKV or PagedKV of kv_source_sm80.cuh, instantiated for this tile shape.
+template <typename T, int kHeadDim, typename Logits, typename KV>
 __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
                                   PrefillConfig<kHeadDim>::kMinBlocksPerSM)
     prefill_sm80_kernel(const PrefillParams p) {
@@ -89,9 +83,10 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
   const int qo_len = p.qo_indptr[request + 1] - q_start;
   const int m0 = m_tile * kBlockM;
   if (m0 >= qo_len) return;
-  const int kv_start = p.kv_indptr[request];
-  const int kv_len = p.kv_indptr[request + 1] - kv_start;
   const int kv_head = head / (p.num_qo_heads / p.num_kv_heads);
+  extern __shared__ __align__(128) unsigned char smem[];
+  KV kv(p, request, kv_head, smem + (kBlockM + 2 * kBlockN) * kHeadDim * 2);
+  const int kv_len = kv.kv_len;
   const MaskBand band{qo_len, kv_len, kv_len - qo_len, p.causal, p.window_left};
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -100,7 +95,6 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
   // of each of its m16 tiles.
   auto tile_row = [&](int mt) { return mt * 16 * Config::kWarps + warp * 16; };
 
-  extern __shared__ __align__(128) unsigned char smem[];
   const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
   const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
   const SwizzledTile<T, kBlockN, kHeadDim> v_tile{k_tile.base + kBlockN * kHeadDim};
@@ -111,8 +105,6 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
   const LdmatrixLane<T, kBlockN, kHeadDim> v_lane(v_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
   const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
-  const T* k_head = static_cast<const T*>(p.k) + int64_t(kv_start) * p.k_stride_row + kv_head * p.k_stride_head;
-  const T* v_head = static_cast<const T*>(p.v) + int64_t(kv_start) * p.v_stride_row + kv_head * p.v_stride_head;
 
   // The KV tiles this CTA visits: those meeting the band of any of its rows.
   const int last_row = min(m0 + kBlockM, qo_len) - 1;
@@ -132,8 +124,10 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
 
   load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
   if (first_tile < end_tile) {
-    load_tile_async<T, kBlockN, kHeadDim, kThreads>(k_tile, k_head, p.k_stride_row,
-                                                    first_tile * kBlockN, kv_len);
+    kv.fetch_rows(p, first_tile * kBlockN);
+    kv.publish_rows(p, first_tile * kBlockN, first_tile & 1);
+    if constexpr (KV::kSmemBytes > 0) __syncthreads();  // the first tile's rows are located
+    kv.load(p, k_tile, first_tile * kBlockN, first_tile & 1, KVPart::kKeys);
   }
   cp_async_commit();
 
@@ -142,7 +136,8 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
     const int n0 = tile * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K(tile) (and Q) landed; every warp is done with V(tile - 1)
-    load_tile_async<T, kBlockN, kHeadDim, kThreads>(v_tile, v_head, p.v_stride_row, n0, kv_len);
+    kv.load(p, v_tile, n0, tile & 1, KVPart::kValues);
+    if (tile + 1 < end_tile) kv.fetch_rows(p, n0 + kBlockN);  // in flight during S = Q K^T
     cp_async_commit();
 
     // S = Q K^T: each K fragment read from shared memory serves all kMTiles row tiles.
@@ -224,12 +219,10 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
       }
     }
 
+    if (tile + 1 < end_tile) kv.publish_rows(p, n0 + kBlockN, (tile + 1) & 1);
     cp_async_wait<0>();
-    __syncthreads();  // V(tile) landed; every warp is done with K(tile)
-    if (tile + 1 < end_tile) {
-      load_tile_async<T, kBlockN, kHeadDim, kThreads>(k_tile, k_head, p.k_stride_row,
-                                                      n0 + kBlockN, kv_len);
-    }
+    __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
+    if (tile + 1 < end_tile) kv.load(p, k_tile, n0 + kBlockN, (tile + 1) & 1, KVPart::kKeys);
     cp_async_commit();
 
     // O += P V, P taken straight from the S accumulators (two 8-key tiles make one k16 A tile).
@@ -287,23 +280,32 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
   }
 }
 
+template <typename T, int kHeadDim, typename Logits, typename KV>
+void launch_prefill_variant(const PrefillParams& p, const dim3& grid, cudaStream_t stream) {
+  using Config = PrefillConfig<kHeadDim>;
+  constexpr int kSmemBytes = Config::kSmemBytes + KV::kSmemBytes;
+  auto kernel = prefill_sm80_kernel<T, kHeadDim, Logits, KV>;
+  if (kSmemBytes > 48 * 1024) {
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            kSmemBytes));
+  }
+  kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(p);
+}
+
 template <typename T, int kHeadDim>
 void launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   using Config = PrefillConfig<kHeadDim>;
   const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
   if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
   const dim3 grid(m_tiles, p.batch_size, p.num_qo_heads);
-  auto run = [&](auto kernel) {
-    if (Config::kSmemBytes > 48 * 1024) {
-      TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              Config::kSmemBytes));
-    }
-    kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
-  };
+  using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
+  using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
   if (p.soft_cap > 0.f) {
-    run(prefill_sm80_kernel<T, kHeadDim, SoftCappedLogits>);
+    if (p.paged) launch_prefill_variant<T, kHeadDim, SoftCappedLogits, Paged>(p, grid, stream);
+    else launch_prefill_variant<T, kHeadDim, SoftCappedLogits, Ragged>(p, grid, stream);
   } else {
-    run(prefill_sm80_kernel<T, kHeadDim, PlainLogits>);
+    if (p.paged) launch_prefill_variant<T, kHeadDim, PlainLogits, Paged>(p, grid, stream);
+    else launch_prefill_variant<T, kHeadDim, PlainLogits, Ragged>(p, grid, stream);
   }
 }
 

@@ -1,0 +1,744 @@
+// batch_prefill_paged (prefill / extend over a paged KV cache) on the GPU against the fp64 CPU
+// reference, with the tolerance rule of docs/CONVENTIONS.md: max error <= 2 x (max error of the
+// naive computation in the kernel's precision) + a floor (1e-4 for O, 2e-4 for LSE, as the ragged
+// prefill tests).
+//
+// As in test_decode.cpp, pages are handed out in shuffled order and every cache element no request
+// owns (the tail of a last page, spare pages, stride padding) holds NaN, as does the row padding of
+// q: a loader that reads outside the page table, or lets a masked slot leak into P.V, fails loudly.
+// Outputs are poisoned before each run; every element of o / lse must be written and nothing
+// around them.
+#include <gmock/gmock.h>
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <iterator>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dispatch/prefill_dispatch.h"
+#include "gpu/gpu_test_util.h"
+#include "reference/attention_ref.h"
+#include "tessera/attention.h"
+
+namespace tessera::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---- What this build compiled -------------------------------------------------------------------
+// A narrowed build (TESSERA_HEAD_DIMS / TESSERA_DTYPES) tests only what it compiled.
+bool prefill_compiled(int head_dim, DType dtype) {
+  const auto dims = dispatch::compiled_prefill_head_dims();
+  return std::find(dims.begin(), dims.end(), head_dim) != dims.end() &&
+         dispatch::prefill_dtype_compiled(dtype);
+}
+
+// hd128 / bf16 when compiled (the common serving shape), else the first compiled pair.
+void pick_compiled(int& head_dim, DType& dtype) {
+  for (int hd : {128, 64, 256}) {
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      if (prefill_compiled(hd, dt)) {
+        head_dim = hd;
+        dtype = dt;
+        return;
+      }
+    }
+  }
+}
+
+uint16_t nan_bits(DType dtype) { return dtype == DType::kBF16 ? 0x7FC0 : 0x7E00; }
+
+float poison_float() {
+  const uint32_t bits = 0xFFFFFFFFu;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+std::vector<int32_t> indptr_of(const std::vector<int>& lengths) {
+  std::vector<int32_t> indptr{0};
+  for (int n : lengths) indptr.push_back(indptr.back() + n);
+  return indptr;
+}
+
+// ---- A paged K/V cache on the host (as test_decode.cpp) -------------------------------------------
+struct KVGeometry {
+  KVLayout layout = KVLayout::kNHD;
+  DType dtype = DType::kBF16;
+  int page_size = 16;
+  int num_kv_heads = 2;
+  int head_dim = 128;
+  int64_t head_pad = 0;    // extra elements after each head_dim row (strides of dims 1 and 2 grow)
+  int64_t k_page_pad = 0;  // extra elements after each K page (page stride grows)
+  int64_t v_page_pad = 0;  // the same for V, so K and V strides can differ
+};
+
+// Element strides of dims 0..2 of a page tensor (head_dim, dim 3, has stride 1).
+std::array<int64_t, 3> page_strides(const KVGeometry& g, int64_t page_pad) {
+  const int64_t row = g.head_dim + g.head_pad;  // dim 2: heads (NHD) or slots (HND)
+  const int64_t mid = int64_t(g.layout == KVLayout::kNHD ? g.num_kv_heads : g.page_size) * row;
+  return {int64_t(g.page_size) * g.num_kv_heads * row + page_pad, mid, row};
+}
+
+struct HostPagedKV {
+  KVGeometry g;
+  int64_t num_pages = 0;
+  std::vector<int> kv_len;
+  std::array<int64_t, 3> k_strides{}, v_strides{};
+  std::vector<int32_t> indptr{0}, indices, last_page_len;
+  std::vector<uint16_t> k_bits, v_bits;  // whole page tensors, padding included
+  std::vector<float> k_vals, v_vals;     // the same as floats (NaN where nothing is owned)
+
+  int batch() const { return static_cast<int>(last_page_len.size()); }
+  int64_t offset(const std::array<int64_t, 3>& s, int r, int64_t pos, int h) const {
+    const int64_t page = indices[indptr[r] + pos / g.page_size], slot = pos % g.page_size;
+    return page * s[0] + (g.layout == KVLayout::kNHD ? slot * s[1] + h * s[2] : h * s[1] + slot * s[2]);
+  }
+  ref::PagedKV reference() const {
+    return ref::PagedKV(k_vals.data(), v_vals.data(),
+                        g.layout == KVLayout::kNHD ? ref::PageLayout::kNHD : ref::PageLayout::kHND,
+                        g.page_size, g.num_kv_heads, g.head_dim, k_strides.data(), v_strides.data(),
+                        indptr, indices, last_page_len);
+  }
+};
+
+// Requests of the given KV lengths over a cache of just enough pages plus 3 spare ones, page ids
+// shuffled. Owned (page, slot, head) rows get fresh random values, every other element NaN.
+HostPagedKV make_paged_kv(const KVGeometry& g, const std::vector<int>& kv_len, std::mt19937& rng) {
+  HostPagedKV h;
+  h.g = g;
+  h.kv_len = kv_len;
+  for (int len : kv_len) {
+    const int pages = (len + g.page_size - 1) / g.page_size;
+    h.indptr.push_back(h.indptr.back() + pages);
+    h.last_page_len.push_back(pages == 0 ? 0 : len - (pages - 1) * g.page_size);
+  }
+  const int32_t used = h.indptr.back();
+  h.num_pages = used + 3;
+  h.indices.resize(size_t(h.num_pages));
+  std::iota(h.indices.begin(), h.indices.end(), 0);
+  std::shuffle(h.indices.begin(), h.indices.end(), rng);
+  h.indices.resize(size_t(used));
+
+  h.k_strides = page_strides(g, g.k_page_pad);
+  h.v_strides = page_strides(g, g.v_page_pad);
+  h.k_bits.assign(size_t(h.num_pages * h.k_strides[0]), nan_bits(g.dtype));
+  h.v_bits.assign(size_t(h.num_pages * h.v_strides[0]), nan_bits(g.dtype));
+  std::vector<uint16_t> row;
+  for (int r = 0; r < h.batch(); ++r) {
+    for (int64_t pos = 0; pos < kv_len[r]; ++pos) {
+      for (int head = 0; head < g.num_kv_heads; ++head) {
+        random_16bit(size_t(g.head_dim), g.dtype, rng, row);
+        std::copy(row.begin(), row.end(), h.k_bits.begin() + h.offset(h.k_strides, r, pos, head));
+        random_16bit(size_t(g.head_dim), g.dtype, rng, row);
+        std::copy(row.begin(), row.end(), h.v_bits.begin() + h.offset(h.v_strides, r, pos, head));
+      }
+    }
+  }
+  h.k_vals.resize(h.k_bits.size());
+  h.v_vals.resize(h.v_bits.size());
+  for (size_t i = 0; i < h.k_bits.size(); ++i) h.k_vals[i] = from_bits(h.k_bits[i], g.dtype);
+  for (size_t i = 0; i < h.v_bits.size(); ++i) h.v_vals[i] = from_bits(h.v_bits[i], g.dtype);
+  return h;
+}
+
+// The device copy of a HostPagedKV: page tensors and page-table arrays.
+struct DevicePagedKV {
+  DeviceBuffer k, v, indptr, indices, last_page_len;
+
+  explicit DevicePagedKV(const HostPagedKV& h)
+      : k(h.k_bits.size() * 2), v(h.v_bits.size() * 2), indptr(size_t(h.batch() + 1) * 4),
+        indices(size_t(std::max<int64_t>(h.num_pages, 1)) * 4),
+        last_page_len(size_t(std::max(h.batch(), 1)) * 4) {
+    k.upload(h.k_bits);
+    v.upload(h.v_bits);
+    indptr.upload(h.indptr);
+    indices.upload(h.indices);
+    last_page_len.upload(h.last_page_len);
+  }
+  PagedKVCache cache(const HostPagedKV& h) const {
+    const KVGeometry& g = h.g;
+    const bool nhd = g.layout == KVLayout::kNHD;
+    const int64_t d1 = nhd ? g.page_size : g.num_kv_heads, d2 = nhd ? g.num_kv_heads : g.page_size;
+    PagedKVCache c;
+    c.layout = g.layout;
+    c.k_pages = TensorView::strided(k.get(), g.dtype, {h.num_pages, d1, d2, g.head_dim},
+                                    {h.k_strides[0], h.k_strides[1], h.k_strides[2], 1});
+    c.v_pages = TensorView::strided(v.get(), g.dtype, {h.num_pages, d1, d2, g.head_dim},
+                                    {h.v_strides[0], h.v_strides[1], h.v_strides[2], 1});
+    return c;
+  }
+  // The table of `h` (device arrays here, host copies in `h`, which must outlive the table).
+  PageTable table(const HostPagedKV& h) const {
+    PageTable t;
+    t.indptr = TensorView::contiguous(indptr.get(), DType::kInt32, {h.batch() + 1});
+    t.indices = TensorView::contiguous(indices.get(), DType::kInt32, {int64_t(h.indices.size())});
+    t.last_page_len = TensorView::contiguous(last_page_len.get(), DType::kInt32, {h.batch()});
+    t.host_indptr = h.indptr.data();
+    t.host_indices = h.indices.data();
+    t.host_last_page_len = h.last_page_len.data();
+    return t;
+  }
+};
+
+// ---- Query rows and outputs -------------------------------------------------------------------------
+// A [rows, heads, dim] 16-bit tensor with row stride heads * dim + pad; the padding holds NaN.
+struct HostRows {
+  int64_t rows = 0, heads = 0, dim = 0, row_stride = 0;
+  std::vector<uint16_t> bits;  // rows x row_stride
+  std::vector<float> dense;    // [rows, heads, dim], exact values, unpadded
+};
+
+HostRows random_rows(int64_t rows, int64_t heads, int64_t dim, int64_t pad, DType dtype,
+                     std::mt19937& rng, float range) {
+  HostRows q;
+  q.rows = rows;
+  q.heads = heads;
+  q.dim = dim;
+  q.row_stride = heads * dim + pad;
+  std::vector<uint16_t> packed;
+  q.dense = random_16bit(size_t(rows * heads * dim), dtype, rng, packed, -range, range);
+  q.bits.assign(size_t(rows * q.row_stride), nan_bits(dtype));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(&packed[size_t(r * heads * dim)], heads * dim, &q.bits[size_t(r * q.row_stride)]);
+  }
+  return q;
+}
+
+struct OutputShape {
+  int64_t rows, heads, dim, row_stride;  // o: [rows, heads, dim] with this row stride
+  DType dtype;
+};
+
+// What a run left in the o / lse buffers.
+struct Outputs {
+  std::vector<uint16_t> o_raw;  // the whole o buffer
+  std::vector<float> lse_raw;   // the whole lse buffer
+  std::vector<float> o, lse;    // [rows, heads, dim] / [rows, heads]; unwritten ones stay poisoned
+  std::size_t stray = 0;        // elements outside the o / lse views that lost their poison
+};
+
+Outputs fetch(const DeviceBuffer& o, const DeviceBuffer& lse, const OutputShape& s) {
+  Outputs out;
+  out.o_raw = o.download<uint16_t>(o.bytes() / 2);
+  out.lse_raw = lse.download<float>(lse.bytes() / 4);
+  std::vector<char> inside(out.o_raw.size(), 0);
+  const int64_t width = s.heads * s.dim;
+  out.o.resize(size_t(s.rows * width));
+  for (int64_t r = 0; r < s.rows; ++r) {
+    for (int64_t e = 0; e < width; ++e) {
+      const size_t at = size_t(r * s.row_stride + e);
+      inside[at] = 1;
+      const uint16_t b = out.o_raw[at];
+      out.o[size_t(r * width + e)] = b == kPoison16 ? poison_float() : from_bits(b, s.dtype);
+    }
+  }
+  for (size_t i = 0; i < out.o_raw.size(); ++i) out.stray += !inside[i] && out.o_raw[i] != kPoison16;
+  const size_t lse_count = size_t(s.rows * s.heads);
+  out.lse.assign(out.lse_raw.begin(), out.lse_raw.begin() + lse_count);
+  for (size_t i = lse_count; i < out.lse_raw.size(); ++i) out.stray += !is_poison(out.lse_raw[i]);
+  return out;
+}
+
+bool bitwise_equal(const Outputs& a, const Outputs& b) {
+  return a.o_raw == b.o_raw && a.lse_raw.size() == b.lse_raw.size() &&
+         std::memcmp(a.lse_raw.data(), b.lse_raw.data(), a.lse_raw.size() * 4) == 0;
+}
+
+// Where two runs differ (for the failure message of a bitwise comparison).
+std::string first_difference(const Outputs& a, const Outputs& b) {
+  size_t o_diff = 0, lse_diff = 0, first_o = 0, first_lse = 0;
+  for (size_t i = 0; i < std::min(a.o_raw.size(), b.o_raw.size()); ++i) {
+    if (a.o_raw[i] != b.o_raw[i] && o_diff++ == 0) first_o = i;
+  }
+  for (size_t i = 0; i < std::min(a.lse_raw.size(), b.lse_raw.size()); ++i) {
+    if (std::memcmp(&a.lse_raw[i], &b.lse_raw[i], 4) != 0 && lse_diff++ == 0) first_lse = i;
+  }
+  std::string s = std::to_string(o_diff) + " o elements differ";
+  if (o_diff) s += " (first at buffer element " + std::to_string(first_o) + ")";
+  s += ", " + std::to_string(lse_diff) + " lse elements differ";
+  if (lse_diff) {
+    s += " (first at " + std::to_string(first_lse) + ": " + std::to_string(a.lse_raw[first_lse]) +
+         " vs " + std::to_string(b.lse_raw[first_lse]) + ")";
+  }
+  return s;
+}
+
+// ---- The reference ---------------------------------------------------------------------------------
+struct Expected {
+  std::vector<double> o, lse;
+  double o_naive_err = 0, lse_naive_err = 0;  // max error of the naive low-precision computation
+};
+
+double max_finite_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(a[i] - b[i]);
+    if (std::isfinite(d)) m = std::max(m, d);
+  }
+  return m;
+}
+
+void check_against(const Outputs& got, const Expected& want, const std::string& what) {
+  EXPECT_EQ(got.stray, 0u) << what << ": elements outside the o / lse views were written";
+  expect_within_rule(got.o, want.o, want.o_naive_err, 1e-4, what + " o");
+  expect_within_rule(got.lse, want.lse, want.lse_naive_err, 2e-4, what + " lse");
+}
+
+// ---- One paged prefill -------------------------------------------------------------------------------
+struct PagedCase {
+  KVGeometry kv;
+  int num_qo_heads = 8;
+  std::vector<int> qo_len, kv_len;
+  bool causal = true;
+  int window_left = -1;
+  float soft_cap = 0.f;
+  float scale = 0.f;
+  int64_t q_pad = 0;  // extra elements per row of q and o (strided rows)
+};
+
+std::string list_of(const std::vector<int>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? " " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+std::string describe(const PagedCase& c) {
+  std::string s = std::string(dtype_name(c.kv.dtype)) + " hd" + std::to_string(c.kv.head_dim) + " " +
+                  kv_layout_name(c.kv.layout) + " page " + std::to_string(c.kv.page_size) + " heads " +
+                  std::to_string(c.num_qo_heads) + "/" + std::to_string(c.kv.num_kv_heads) +
+                  " qo_len " + list_of(c.qo_len) + " kv_len " + list_of(c.kv_len);
+  s += c.causal ? " causal" : " non-causal";
+  if (c.window_left >= 0) s += " window " + std::to_string(c.window_left);
+  if (c.soft_cap > 0) s += " soft_cap " + std::to_string(c.soft_cap);
+  if (c.scale > 0) s += " scale " + std::to_string(c.scale);
+  if (c.kv.head_pad || c.kv.k_page_pad || c.kv.v_page_pad) s += " strided pages";
+  if (c.q_pad) s += " strided rows";
+  return s;
+}
+
+// A case's inputs on the host and the device, with poisoned output buffers.
+struct PagedProblem {
+  PagedCase c;
+  std::mt19937 rng;
+  HostPagedKV kv;
+  std::vector<int32_t> qo_indptr;
+  HostRows q;
+  DevicePagedKV dkv;
+  DeviceBuffer dq, d_qo_indptr, o, lse;
+
+  PagedProblem(const PagedCase& pc, uint32_t seed)
+      : c(pc), rng(seed), kv(make_paged_kv(pc.kv, pc.kv_len, rng)), qo_indptr(indptr_of(pc.qo_len)),
+        q(random_rows(qo_indptr.back(), pc.num_qo_heads, pc.kv.head_dim, pc.q_pad, pc.kv.dtype, rng, 2.f)),
+        dkv(kv),
+        dq(size_t(std::max<int64_t>(q.rows * q.row_stride, 8)) * 2),
+        d_qo_indptr(qo_indptr.size() * 4),
+        o(size_t(std::max<int64_t>(q.rows * q.row_stride, 8)) * 2),
+        lse(size_t(std::max<int64_t>(q.rows * q.heads, 2)) * 4) {
+    if (pc.qo_len.size() != pc.kv_len.size()) throw std::runtime_error("qo_len / kv_len sizes differ");
+    dq.upload(q.bits);
+    d_qo_indptr.upload(qo_indptr);
+  }
+
+  DType dtype() const { return c.kv.dtype; }
+  TensorView q_view() const {
+    return TensorView::strided(dq.get(), dtype(), {q.rows, q.heads, q.dim}, {q.row_stride, q.dim, 1});
+  }
+  TensorView o_view() const {
+    return TensorView::strided(o.get(), dtype(), {q.rows, q.heads, q.dim}, {q.row_stride, q.dim, 1});
+  }
+  TensorView lse_view() const {
+    return TensorView::contiguous(lse.get(), DType::kFP32, {q.rows, q.heads});
+  }
+  TensorView qo_indptr_view() const {
+    return TensorView::contiguous(d_qo_indptr.get(), DType::kInt32, {int64_t(qo_indptr.size())});
+  }
+  OutputShape out_shape() const { return {q.rows, q.heads, q.dim, q.row_stride, dtype()}; }
+
+  PagedPrefillArgs args() const {
+    PagedPrefillArgs a;
+    a.q = q_view();
+    a.qo_indptr = qo_indptr_view();
+    a.host_qo_indptr = qo_indptr.data();
+    a.cache = dkv.cache(kv);
+    a.table = dkv.table(kv);
+    a.o = o_view();
+    a.lse = lse_view();
+    a.causal = c.causal;
+    a.window_left = c.window_left;
+    a.scale = c.scale;
+    a.soft_cap = c.soft_cap;
+    return a;
+  }
+
+  void poison() {
+    o.poison();
+    lse.poison();
+  }
+  // Poisons o / lse, runs, waits and reads them back.
+  Outputs run_and_fetch(const PagedPrefillArgs& a, cudaStream_t stream = nullptr) {
+    poison();
+    batch_prefill_paged(a, stream);
+    const cudaError_t launch = cudaGetLastError();
+    if (launch != cudaSuccess) throw std::runtime_error(std::string("launch: ") + cudaGetErrorString(launch));
+    const cudaError_t done = cudaStreamSynchronize(stream);
+    if (done != cudaSuccess) throw std::runtime_error(std::string("run: ") + cudaGetErrorString(done));
+    return fetch(o, lse, out_shape());
+  }
+  Outputs run_and_fetch(cudaStream_t stream = nullptr) { return run_and_fetch(args(), stream); }
+
+  Expected expected() const {
+    ref::AttentionParams p;
+    p.num_qo_heads = c.num_qo_heads;
+    p.num_kv_heads = c.kv.num_kv_heads;
+    p.head_dim = c.kv.head_dim;
+    p.causal = c.causal;
+    p.window_left = c.window_left;
+    p.scale = c.scale;
+    p.soft_cap = c.soft_cap;
+    const ref::PagedKV source = kv.reference();
+    Expected e;
+    std::vector<double> o_naive, lse_naive;
+    ref::attention(q.dense.data(), qo_indptr, source, p, e.o, e.lse);
+    ref::attention_naive_lowp(q.dense.data(), qo_indptr, source, p, dtype() == DType::kBF16 ? 7 : 10,
+                              o_naive, lse_naive);
+    e.o_naive_err = max_finite_diff(o_naive, e.o);
+    e.lse_naive_err = max_finite_diff(lse_naive, e.lse);
+    return e;
+  }
+};
+
+// Runs a case and checks O and LSE against the fp64 reference.
+void run_case(const PagedCase& c, uint32_t seed) {
+  SCOPED_TRACE(describe(c));
+  if (!prefill_compiled(c.kv.head_dim, c.kv.dtype)) {
+    GTEST_SKIP() << describe(c) << ": not compiled in this build";
+  }
+  PagedProblem p(c, seed);
+  check_against(p.run_and_fetch(), p.expected(), "paged prefill");
+}
+
+class Stream {  // a non-blocking stream, destroyed on scope exit
+ public:
+  Stream() {
+    if (cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking) != cudaSuccess) {
+      throw std::runtime_error("cudaStreamCreateWithFlags failed");
+    }
+  }
+  ~Stream() { cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// ---- 1. Page sizes and layouts ---------------------------------------------------------------------
+// bf16 hd128, GQA 8 / 2, causal. The batch mixes chunked prefill (qo_len < kv_len), a full prefill
+// (qo_len == kv_len), a request without KV (its rows give 0 and LSE -inf), one without queries this
+// step, one with more queries than keys (its leading rows see nothing under the causal mask), and
+// KV lengths that end mid-page for every page size.
+TEST(GpuPrefillPaged, PageSizesAndLayouts) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 1;
+  std::vector<std::pair<KVLayout, int>> shapes;
+  for (int page_size : {1, 16, 64}) {
+    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) shapes.emplace_back(layout, page_size);
+  }
+  shapes.emplace_back(KVLayout::kHND, 256);  // a page larger than a whole KV tile, once
+  for (auto [layout, page_size] : shapes) {
+    PagedCase c;
+    c.kv.layout = layout;
+    c.kv.page_size = page_size;
+    c.kv.dtype = DType::kBF16;
+    c.kv.head_dim = 128;
+    c.num_qo_heads = 8;
+    c.kv.num_kv_heads = 2;
+    c.causal = true;
+    c.qo_len = {97, 54, 7, 0, 130, 40, 1};
+    c.kv_len = {577, 54, 0, 33, 1000, 16, 97};
+    run_case(c, seed++);
+  }
+}
+
+// ---- 2. Head dims, dtypes, masks and logit variants, GQA groups --------------------------------------
+TEST(GpuPrefillPaged, HeadDimsDtypesAndVariants) {
+  TESSERA_REQUIRE_GPU();
+  struct Variant {
+    const char* name;
+    bool causal;
+    int window_left;
+    float soft_cap, scale;
+  };
+  const Variant variants[] = {
+      {"none", false, -1, 0.f, 0.f},
+      {"causal", true, -1, 0.f, 0.f},
+      {"causal window", true, 37, 0.f, 0.f},
+      {"window without causal", false, 37, 0.f, 0.f},
+      {"soft_cap with scale 1", true, -1, 30.f, 1.f},  // logits of tens: the cap bites
+      {"custom scale", false, -1, 0.f, 0.05f},
+  };
+  const std::pair<int, int> groups[] = {{4, 4}, {8, 2}, {8, 1}};  // GQA groups 1, 4, 8
+  uint32_t seed = 100;
+  int rotation = 0;
+  for (int head_dim : {64, 128, 256}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      if (!prefill_compiled(head_dim, dtype)) continue;
+      // Every (head_dim, dtype) sees every variant and every group; the pairing rotates.
+      for (size_t v = 0; v < std::size(variants); ++v) {
+        const auto [qo_heads, kv_heads] = groups[(v + size_t(rotation)) % std::size(groups)];
+        SCOPED_TRACE(variants[v].name);
+        PagedCase c;
+        c.kv.dtype = dtype;
+        c.kv.head_dim = head_dim;
+        c.kv.layout = dtype == DType::kBF16 ? KVLayout::kNHD : KVLayout::kHND;
+        c.kv.page_size = dtype == DType::kBF16 ? 16 : 32;
+        c.num_qo_heads = qo_heads;
+        c.kv.num_kv_heads = kv_heads;
+        c.causal = variants[v].causal;
+        c.window_left = variants[v].window_left;
+        c.soft_cap = variants[v].soft_cap;
+        c.scale = variants[v].scale;
+        c.qo_len = {33, 64, 1, 20};
+        c.kv_len = {300, 64, 130, 0};
+        run_case(c, seed++);
+      }
+      ++rotation;
+    }
+  }
+}
+
+// ---- 3. Paged == ragged ------------------------------------------------------------------------------
+// The same tokens laid out ragged ([total_kv, heads, head_dim], batch_prefill) and paged (shuffled
+// pages, NaN everywhere no request owns, batch_prefill_paged) give bitwise identical O and LSE.
+// That is the design: both run the same kernel template with the same tile shape, the same launch
+// grid, the same launch parameters (scale, window collapse) and the same math; only the loader
+// that fills the K/V shared-memory tiles differs, and both loaders zero-fill rows past kv_len. So
+// the shared-memory tiles, hence every fp operation and its order, are identical. (If this ever
+// fails while the reference comparison passes, the paths have diverged in something other than
+// addressing, e.g. a different tile config for the paged instantiation.)
+TEST(GpuPrefillPaged, PagedEqualsRagged) {
+  TESSERA_REQUIRE_GPU();
+  struct Shape {
+    KVLayout layout;
+    int page_size, head_dim;
+    bool causal;
+    int window_left;
+    float soft_cap;
+  };
+  const Shape shapes[] = {
+      {KVLayout::kNHD, 1, 128, true, -1, 0.f},
+      {KVLayout::kHND, 16, 128, false, -1, 0.f},
+      {KVLayout::kNHD, 64, 64, true, 37, 0.f},
+      {KVLayout::kHND, 48, 256, true, -1, 30.f},  // a page size that is not a power of two
+      {KVLayout::kNHD, 7, 128, false, 100, 0.f},
+  };
+  uint32_t seed = 200;
+  for (const Shape& s : shapes) {
+    PagedCase c;
+    c.kv.layout = s.layout;
+    c.kv.page_size = s.page_size;
+    c.kv.head_dim = s.head_dim;
+    c.kv.dtype = DType::kBF16;
+    if (!prefill_compiled(c.kv.head_dim, c.kv.dtype)) c.kv.dtype = DType::kFP16;
+    c.num_qo_heads = 8;
+    c.kv.num_kv_heads = 2;
+    c.causal = s.causal;
+    c.window_left = s.window_left;
+    c.soft_cap = s.soft_cap;
+    c.scale = s.soft_cap > 0 ? 1.f : 0.f;
+    c.qo_len = {97, 54, 5, 0, 40};
+    c.kv_len = {577, 54, 0, 33, 16};
+    SCOPED_TRACE(describe(c));
+    if (!prefill_compiled(c.kv.head_dim, c.kv.dtype)) continue;
+    PagedProblem p(c, seed++);
+    const Outputs paged = p.run_and_fetch();
+    check_against(paged, p.expected(), "paged");
+
+    // The same K/V rows, ragged and contiguous.
+    const HostPagedKV& kv = p.kv;
+    const int heads = c.kv.num_kv_heads, hd = c.kv.head_dim;
+    const std::vector<int32_t> kv_indptr = indptr_of(c.kv_len);
+    const int64_t total_kv = kv_indptr.back();
+    std::vector<uint16_t> k_rows(size_t(std::max<int64_t>(total_kv * heads * hd, 8)));
+    std::vector<uint16_t> v_rows(k_rows.size());
+    for (int r = 0; r < kv.batch(); ++r) {
+      for (int64_t pos = 0; pos < c.kv_len[r]; ++pos) {
+        for (int h = 0; h < heads; ++h) {
+          const size_t dst = size_t(((kv_indptr[r] + pos) * heads + h) * hd);
+          std::copy_n(kv.k_bits.begin() + kv.offset(kv.k_strides, r, pos, h), hd, k_rows.begin() + dst);
+          std::copy_n(kv.v_bits.begin() + kv.offset(kv.v_strides, r, pos, h), hd, v_rows.begin() + dst);
+        }
+      }
+    }
+    DeviceBuffer dk(k_rows.size() * 2), dv(v_rows.size() * 2), d_kv_indptr(kv_indptr.size() * 4);
+    dk.upload(k_rows);
+    dv.upload(v_rows);
+    d_kv_indptr.upload(kv_indptr);
+    PrefillArgs a;
+    a.q = p.q_view();
+    a.k = TensorView::contiguous(dk.get(), c.kv.dtype, {total_kv, heads, hd});
+    a.v = TensorView::contiguous(dv.get(), c.kv.dtype, {total_kv, heads, hd});
+    a.qo_indptr = p.qo_indptr_view();
+    a.kv_indptr = TensorView::contiguous(d_kv_indptr.get(), DType::kInt32, {int64_t(kv_indptr.size())});
+    a.host_qo_indptr = p.qo_indptr.data();
+    a.host_kv_indptr = kv_indptr.data();
+    a.o = p.o_view();
+    a.lse = p.lse_view();
+    a.causal = c.causal;
+    a.window_left = c.window_left;
+    a.scale = c.scale;
+    a.soft_cap = c.soft_cap;
+    p.poison();
+    batch_prefill(a, nullptr);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    const Outputs ragged = fetch(p.o, p.lse, p.out_shape());
+    EXPECT_TRUE(bitwise_equal(paged, ragged))
+        << "paged and ragged prefill differ: " << first_difference(paged, ragged);
+  }
+}
+
+// ---- 4. Strided pages and rows -------------------------------------------------------------------------
+TEST(GpuPrefillPaged, StridedPagesAndRows) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 300;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+      for (int page_size : {1, 16}) {
+        PagedCase c;
+        pick_compiled(c.kv.head_dim, c.kv.dtype);
+        c.kv.dtype = dtype;
+        if (!prefill_compiled(c.kv.head_dim, dtype)) continue;
+        c.kv.layout = layout;
+        c.kv.page_size = page_size;
+        c.kv.head_pad = 8;     // head / slot strides larger than head_dim
+        c.kv.k_page_pad = 24;  // page strides larger than a page, and different for K and V
+        c.kv.v_page_pad = 40;
+        c.q_pad = 24;          // q / o row stride larger than num_qo_heads x head_dim
+        c.num_qo_heads = 8;
+        c.kv.num_kv_heads = 2;
+        c.causal = true;
+        c.qo_len = {1, 54, 97, 70};
+        c.kv_len = {1, 54, 300, 700};
+        run_case(c, seed++);
+      }
+    }
+  }
+}
+
+// ---- 5. Determinism ---------------------------------------------------------------------------------
+TEST(GpuPrefillPaged, RepeatBitwise) {
+  TESSERA_REQUIRE_GPU();
+  PagedCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv.page_size = 16;
+  c.causal = true;
+  c.qo_len = {300, 97, 1};
+  c.kv_len = {1000, 577, 33};
+  SCOPED_TRACE(describe(c));
+  PagedProblem p(c, 400);
+  const Outputs first = p.run_and_fetch();
+  check_against(first, p.expected(), "first run");
+  const Outputs second = p.run_and_fetch();
+  EXPECT_TRUE(bitwise_equal(first, second)) << "second run differs: " << first_difference(first, second);
+  Stream stream;
+  const Outputs other_stream = p.run_and_fetch(stream);
+  EXPECT_TRUE(bitwise_equal(first, other_stream))
+      << "run on another stream differs: " << first_difference(first, other_stream);
+
+  // lse is optional: without it O is the same and the lse buffer is left alone.
+  PagedPrefillArgs no_lse = p.args();
+  no_lse.lse = TensorView{};
+  const Outputs without = p.run_and_fetch(no_lse);
+  EXPECT_TRUE(without.o_raw == first.o_raw) << "O differs when lse is not requested";
+  EXPECT_TRUE(std::all_of(without.lse_raw.begin(), without.lse_raw.end(), is_poison))
+      << "lse was written although it was not requested";
+}
+
+// ---- 6. Bad input ------------------------------------------------------------------------------------
+// Runs `call`, expects a tessera::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected tessera::Error containing '" << fragments[0] << "'";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_THAT(e.what(), HasSubstr(f));
+  }
+}
+
+TEST(GpuPrefillPagedBadInput, ArgumentsAreValidated) {
+  TESSERA_REQUIRE_GPU();
+  PagedCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv.page_size = 16;
+  c.qo_len = {5, 20, 3};
+  c.kv_len = {20, 40, 0};
+  PagedProblem p(c, 500);
+  p.poison();
+  const DType other = c.kv.dtype == DType::kBF16 ? DType::kFP16 : DType::kBF16;
+  const int64_t dim = c.kv.head_dim;
+  auto run_with = [&](const std::function<void(PagedPrefillArgs&)>& edit) {
+    PagedPrefillArgs a = p.args();
+    edit(a);
+    batch_prefill_paged(a, nullptr);
+  };
+
+  // Page ids outside the cache (host copy: what the launch is checked on).
+  for (int32_t bad_id : {int32_t(p.kv.num_pages), -1}) {
+    std::vector<int32_t> indices = p.kv.indices;
+    indices[1] = bad_id;
+    expect_error([&] { run_with([&](PagedPrefillArgs& a) { a.table.host_indices = indices.data(); }); },
+                 {"batch_prefill_paged", "'kv_indices'", "page id " + std::to_string(bad_id)});
+  }
+  // last_page_len 0 or past the page, for a request that has pages.
+  for (int32_t bad_last : {0, c.kv.page_size + 1}) {
+    std::vector<int32_t> last = p.kv.last_page_len;
+    last[1] = bad_last;
+    expect_error([&] { run_with([&](PagedPrefillArgs& a) { a.table.host_last_page_len = last.data(); }); },
+                 {"'kv_last_page_len'", "value " + std::to_string(bad_last)});
+  }
+  // The host copies are required.
+  expect_error([&] { run_with([](PagedPrefillArgs& a) { a.host_qo_indptr = nullptr; }); },
+               {"host_qo_indptr", "required"});
+  expect_error([&] { run_with([](PagedPrefillArgs& a) { a.table.host_indptr = nullptr; }); },
+               {"'host_indptr'", "kv_indptr", "required"});
+  expect_error([&] { run_with([](PagedPrefillArgs& a) { a.table.host_indices = nullptr; }); },
+               {"'host_indices'", "kv_indices", "required"});
+  expect_error([&] { run_with([](PagedPrefillArgs& a) { a.table.host_last_page_len = nullptr; }); },
+               {"'host_last_page_len'", "kv_last_page_len", "required"});
+  // Page tensors that do not match q or each other.
+  expect_error([&] { run_with([&](PagedPrefillArgs& a) { a.cache.k_pages.dtype = other; }); },
+               {"'k_pages'", "dtype"});
+  expect_error([&] { run_with([&](PagedPrefillArgs& a) { a.cache.v_pages.dtype = other; }); },
+               {"'v_pages'", "dtype"});
+  expect_error([&] {
+    run_with([&](PagedPrefillArgs& a) {  // both page tensors agree, but not with q
+      a.cache.k_pages.shape[3] = dim / 2;
+      a.cache.v_pages.shape[3] = dim / 2;
+    });
+  }, {"'k_pages'", "head_dim"});
+  expect_error([&] { run_with([&](PagedPrefillArgs& a) { a.cache.v_pages.shape[3] = dim / 2; }); },
+               {"'v_pages'", "shape"});
+  expect_error([&] { run_with([&](PagedPrefillArgs& a) { a.cache.v_pages.shape[0] -= 1; }); },
+               {"'v_pages'", "shape"});
+
+  // Nothing was written by the calls that threw.
+  CUDA_OK(cudaDeviceSynchronize());
+  const Outputs untouched = fetch(p.o, p.lse, p.out_shape());
+  EXPECT_TRUE(std::all_of(untouched.o_raw.begin(), untouched.o_raw.end(), [](uint16_t b) { return b == kPoison16; }))
+      << "a rejected call wrote o";
+  EXPECT_TRUE(std::all_of(untouched.lse_raw.begin(), untouched.lse_raw.end(), is_poison))
+      << "a rejected call wrote lse";
+
+  // The unedited arguments were valid all along.
+  check_against(p.run_and_fetch(), p.expected(), "after rejected calls");
+}
+
+}  // namespace
+}  // namespace tessera::testing
