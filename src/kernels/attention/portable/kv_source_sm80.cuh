@@ -2,16 +2,16 @@
 // tile into swizzled shared memory with cp.async. The kernel is written once against this
 // interface:
 //   Source src(p, request, kv_head, smem);  src.kv_len
-//   src.fetch_rows(p, n0)           start loading what locating rows [n0, n0 + kBlockN) needs
-//   src.publish_rows(p, n0, buf)    make it visible to the CTA (after a __syncthreads)
+//   src.fetch_rows(p, n0, buf)      start loading what locating rows [n0, n0 + kBlockN) needs
+//   src.publish_rows(p, n0, buf)    locate them for the CTA (visible after a __syncthreads)
 //   src.load(p, tile, n0, buf, kKeys / kValues)  copy those rows of K or V (rows >= kv_len: zeros)
 // RaggedKV reads [total_kv, heads, head_dim] rows at a fixed stride and needs none of the first two.
-// PagedKV reads a paged cache through the page table (the BSR view of src/format): one thread per
-// row loads the row's page id into a register (fetch_rows, issued before a tile's S = QK^T so its
-// latency hides behind the math), turns it into the row's element offset in K and in V and stores
-// those in shared memory (publish_rows, double-buffered by tile parity). Copying a row then costs
-// one shared load and an add, the same as a ragged row plus one LDS: measured, doing the page
-// arithmetic per 16-byte chunk instead ran at 0.84-0.87 of the ragged kernel.
+// PagedKV reads a paged cache through the page table (the BSR view of src/format): the page ids of
+// a tile's rows are copied into shared memory with cp.async two tiles ahead (fetch_rows), turned
+// into the rows' element offsets in K and V one tile ahead (publish_rows, after S = QK^T), so
+// copying a row costs one shared load more than a ragged row. Measured against the ragged kernel:
+// page arithmetic per 16-byte chunk 0.84-0.87; ids loaded into registers one tile ahead 0.96 at
+// hd128 but 0.86-0.88 at hd64 / hd256, whose shorter S = QK^T did not hide the load.
 // The parameters are passed to every call rather than kept by address: taking the address of a
 // kernel parameter copies the whole struct to local memory.
 #pragma once
@@ -58,7 +58,7 @@ struct RaggedKV {
     k_head = static_cast<const T*>(p.k) + int64_t(kv_start) * p.k_stride_row + kv_head * p.k_stride_head;
     v_head = static_cast<const T*>(p.v) + int64_t(kv_start) * p.v_stride_row + kv_head * p.v_stride_head;
   }
-  __device__ void fetch_rows(const PrefillParams& /*p*/, int /*n0*/) {}
+  __device__ void fetch_rows(const PrefillParams& /*p*/, int /*n0*/, int /*buf*/) const {}
   __device__ void publish_rows(const PrefillParams& /*p*/, int /*n0*/, int /*buf*/) const {}
   __device__ void load(const PrefillParams& p, const SwizzledTile<T, kBlockN, kHeadDim>& tile,
                        int n0, int /*buf*/, KVPart part) const {
@@ -73,14 +73,13 @@ struct RaggedKV {
 template <typename T, int kBlockN, int kHeadDim, int kThreads>
 struct PagedKV {
   static_assert(kBlockN <= kThreads, "one thread per row of a tile");
-  // Element offsets of a tile's rows in K and in V, two tiles (double buffer).
-  static constexpr int kSmemBytes = 2 * 2 * kBlockN * 8;
-  // Few registers on purpose (the hd128 kernel is at its 255-register limit): pointers are
-  // rebuilt from the parameters, which live in the constant bank.
+  // Page ids of two tiles' rows, then element offsets of two tiles' rows in K and in V.
+  static constexpr int kSmemBytes = 2 * kBlockN * 4 + 2 * 2 * kBlockN * 8;
+  // Few registers on purpose (the hd128 kernel is at its 255-register limit).
   int kv_head;
   int page_begin;        // this request's first entry of kv_indices
   int kv_len;
-  int pending_page;      // the page id this thread's row of the next tile lives in
+  int* ids;              // shared: [buf][kBlockN]
   int64_t* row_offsets;  // shared: [buf][K, V][kBlockN]
 
   __device__ PagedKV(const PrefillParams& p, int request, int kv_head_, unsigned char* smem) {
@@ -88,31 +87,31 @@ struct PagedKV {
     page_begin = p.kv_indptr[request];
     const int num_pages = p.kv_indptr[request + 1] - page_begin;
     kv_len = num_pages == 0 ? 0 : (num_pages - 1) * p.page_size + p.kv_last_page_len[request];
-    row_offsets = reinterpret_cast<int64_t*>(smem);
-    pending_page = 0;
+    ids = reinterpret_cast<int*>(smem);
+    row_offsets = reinterpret_cast<int64_t*>(smem + 2 * kBlockN * 4);
   }
   __device__ static int page_of(const PrefillParams& p, int token) {  // token / page_size
     const unsigned t = static_cast<unsigned>(token);
     return static_cast<int>((__umulhi(t, p.page_magic) + t) >> p.page_shift);
   }
-  // Thread r < kBlockN owns row r (of K and V). Spreading the K and V rows over all four warps
-  // instead measured slower at hd128 (0.91-0.92 of ragged vs 0.96: more spills).
-  // Rows past kv_len take the last row's page: their copies are zero-filled anyway.
-  __device__ void fetch_rows(const PrefillParams& p, int n0) {
+  // Thread r < kBlockN owns row r. Rows past kv_len take the last row's page: their copies are
+  // zero-filled anyway. The id copy joins the caller's next commit group.
+  __device__ void fetch_rows(const PrefillParams& p, int n0, int buf) const {
     if (threadIdx.x < kBlockN) {
       const int token = min(n0 + int(threadIdx.x), kv_len - 1);
-      pending_page = __ldg(p.kv_indices + page_begin + page_of(p, token));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(ids + buf * kBlockN + threadIdx.x)),
+                   "l"(p.kv_indices + page_begin + page_of(p, token)));
     }
   }
   __device__ void publish_rows(const PrefillParams& p, int n0, int buf) const {
     if (threadIdx.x < kBlockN) {
       const int token = min(n0 + int(threadIdx.x), kv_len - 1);
       const int slot = token - page_of(p, token) * p.page_size;
+      const int64_t page = ids[buf * kBlockN + threadIdx.x];
       int64_t* offsets = row_offsets + buf * 2 * kBlockN;
-      offsets[threadIdx.x] = int64_t(pending_page) * p.k_stride_page +
-                             int64_t(slot) * p.k_stride_token + int64_t(kv_head) * p.k_stride_head;
-      offsets[kBlockN + threadIdx.x] = int64_t(pending_page) * p.v_stride_page +
-                                       int64_t(slot) * p.v_stride_token +
+      offsets[threadIdx.x] = page * p.k_stride_page + int64_t(slot) * p.k_stride_token +
+                             int64_t(kv_head) * p.k_stride_head;
+      offsets[kBlockN + threadIdx.x] = page * p.v_stride_page + int64_t(slot) * p.v_stride_token +
                                        int64_t(kv_head) * p.v_stride_head;
     }
   }

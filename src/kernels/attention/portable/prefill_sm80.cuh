@@ -124,9 +124,15 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
 
   load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
   if (first_tile < end_tile) {
-    kv.fetch_rows(p, first_tile * kBlockN);
-    kv.publish_rows(p, first_tile * kBlockN, first_tile & 1);
-    if constexpr (KV::kSmemBytes > 0) __syncthreads();  // the first tile's rows are located
+    if constexpr (KV::kSmemBytes > 0) {  // the first two tiles' page ids, the first's rows located
+      kv.fetch_rows(p, first_tile * kBlockN, first_tile & 1);
+      if (first_tile + 1 < end_tile) kv.fetch_rows(p, (first_tile + 1) * kBlockN, (first_tile + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      kv.publish_rows(p, first_tile * kBlockN, first_tile & 1);
+      __syncthreads();
+    }
     kv.load(p, k_tile, first_tile * kBlockN, first_tile & 1, KVPart::kKeys);
   }
   cp_async_commit();
@@ -137,7 +143,7 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
     cp_async_wait<0>();
     __syncthreads();  // K(tile) (and Q) landed; every warp is done with V(tile - 1)
     kv.load(p, v_tile, n0, tile & 1, KVPart::kValues);
-    if (tile + 1 < end_tile) kv.fetch_rows(p, n0 + kBlockN);  // in flight during S = Q K^T
+    if (tile + 2 < end_tile) kv.fetch_rows(p, n0 + 2 * kBlockN, tile & 1);  // lands with V(tile)
     cp_async_commit();
 
     // S = Q K^T: each K fragment read from shared memory serves all kMTiles row tiles.
