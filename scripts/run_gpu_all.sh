@@ -5,7 +5,8 @@
 # results.json (tessera and peers from this one run). Reuses BUILD_DIR (default build/) when it
 # holds a build; otherwise configures and builds it (needs CUTLASS headers: scripts/setup.sh).
 # Environment: TESSERA_COMMIT (recorded in results.json), BENCH_SUITES / PEER_SUITES (comma lists,
-# default all), TEST_FILTER (gtest filter, default all), SKIP_SANITIZER=1.
+# default all), TEST_FILTER (gtest filter, default all), SKIP_SANITIZER=1, SKIP_BENCH=1,
+# PEER_ARGS (extra bench/peers.py arguments, e.g. --no-flex).
 set -uo pipefail
 out=${1:?usage: run_gpu_all.sh OUTDIR [BUILD_DIR]}
 build=${2:-build}
@@ -30,17 +31,18 @@ if command -v compute-sanitizer >/dev/null && [ "${SKIP_SANITIZER:-0}" != 1 ]; t
   # racecheck sees shared-memory hazards only: it is run on the kernels that use shared memory.
   echo "== compute-sanitizer (memcheck, racecheck) on the GPU suites"
   { compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='Gpu*' 2>&1 | tail -5
-    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuDecode*' 2>&1 | tail -5
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuDecode.PageSizesAndLayouts:GpuDecodeSplit.LongRequestAlone:GpuPrefillPaged.PagedEqualsRagged' 2>&1 | tail -5
   } > "$out/sanitizer.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log"
 fi
 
+[ "${SKIP_BENCH:-0}" = 1 ] && exit $status
 echo "== benchmarks"
 python3 bench/run_bench.py --bench "$build/bench/tessera_bench" --cases bench/cases \
   --out "$out/results.json" ${TESSERA_COMMIT:+--commit $TESSERA_COMMIT} ${BENCH_SUITES:+--suites $BENCH_SUITES} > "$out/bench.log" 2>&1 || { echo "bench FAILED"; status=1; }
 tail -12 "$out/bench.log"
 echo "== peers"
 python3 bench/peers.py --cases bench/cases --out "$out/results.json" --merge-into "$out/results.json" \
-  ${PEER_SUITES:+--suites $PEER_SUITES} > "$out/peers.log" 2>&1 || { echo "peers FAILED"; status=1; }
+  ${PEER_SUITES:+--suites $PEER_SUITES} ${PEER_ARGS:-} > "$out/peers.log" 2>&1 || { echo "peers FAILED"; status=1; }
 tail -40 "$out/peers.log"
 exit $status

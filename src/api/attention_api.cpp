@@ -18,12 +18,12 @@ namespace tessera {
 namespace {
 
 void check_variant(const detail::ArgCheck& check, int window_left, float scale, float soft_cap) {
-  check.require(window_left >= -1, "window_left",
-                "must be -1 (no window) or >= 0, got " + std::to_string(window_left));
-  check.require(std::isfinite(scale) && scale >= 0.f, "scale",
-                "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  check.require(std::isfinite(soft_cap) && soft_cap >= 0.f, "soft_cap",
-                "must be finite and >= 0 (0 means no soft-cap)");
+  TESSERA_REQUIRE(check, window_left >= -1, "window_left",
+                  "must be -1 (no window) or >= 0, got " + std::to_string(window_left));
+  TESSERA_REQUIRE(check, std::isfinite(scale) && scale >= 0.f, "scale",
+                  "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  TESSERA_REQUIRE(check, std::isfinite(soft_cap) && soft_cap >= 0.f, "soft_cap",
+                  "must be finite and >= 0 (0 means no soft-cap)");
 }
 
 // q / o / lse of a prefill: shapes, dtypes, layouts, and no overlap with `inputs`.
@@ -40,9 +40,9 @@ void check_queries_and_outputs(const detail::ArgCheck& check, const TensorView& 
   if (!lse.empty_view()) {
     check.tensor(lse, "lse", 2);
     check.dtype(lse, "lse", {DType::kFP32});
-    check.require(lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
-                  "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
-                      std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
+    TESSERA_REQUIRE(check, lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
+                    "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
+                        std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
     check.output_layout(lse, "lse");
     check.disjoint(lse, "lse", o, "o");
   }
@@ -62,30 +62,30 @@ void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   check.dtype(a.k, "k", {a.q.dtype});
   check.dtype(a.v, "v", {a.q.dtype});
   check.same_shape(a.k, "k", a.v, "v");
-  check.require(a.k.size(2) == a.q.size(2), "k",
-                "head_dim " + std::to_string(a.k.size(2)) + " must equal q's head_dim " +
-                    std::to_string(a.q.size(2)));
+  TESSERA_REQUIRE(check, a.k.size(2) == a.q.size(2), "k",
+                  "head_dim " + std::to_string(a.k.size(2)) + " must equal q's head_dim " +
+                      std::to_string(a.q.size(2)));
   check.head_config(a.q.size(1), a.k.size(1), a.q.size(2), dispatch::compiled_prefill_head_dims());
   check.vectorizable_rows(a.k, "k");
   check.vectorizable_rows(a.v, "v");
   check.index_array(a.qo_indptr, "qo_indptr");
   check.index_array(a.kv_indptr, "kv_indptr");
-  check.require(a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
+  TESSERA_REQUIRE(check, a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
   check.dim(a.kv_indptr, "kv_indptr", 0, a.qo_indptr.size(0), "qo_indptr's length");
-  check.require(a.host_qo_indptr != nullptr, "host_qo_indptr",
-                "is required (a host copy of qo_indptr sizes the launch)");
-  check.require(a.host_kv_indptr != nullptr, "host_kv_indptr",
-                "is required (a host copy of kv_indptr)");
+  TESSERA_REQUIRE(check, a.host_qo_indptr != nullptr, "host_qo_indptr",
+                  "is required (a host copy of qo_indptr sizes the launch)");
+  TESSERA_REQUIRE(check, a.host_kv_indptr != nullptr, "host_kv_indptr",
+                  "is required (a host copy of kv_indptr)");
   const int64_t n = a.qo_indptr.size(0);
   check.indptr_host(a.host_qo_indptr, n, "qo_indptr", a.q.size(0), /*exact_end=*/false);
   check.indptr_host(a.host_kv_indptr, n, "kv_indptr", a.k.size(0), /*exact_end=*/false);
   check_variant(check, a.window_left, a.scale, a.soft_cap);
-  check.require(a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
-  check.require(a.k.size(0) < (int64_t(1) << 31), "k", "more than 2^31 - 1 rows");
+  TESSERA_REQUIRE(check, a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
+  TESSERA_REQUIRE(check, a.k.size(0) < (int64_t(1) << 31), "k", "more than 2^31 - 1 rows");
   // The launch grid is (query tiles, requests, heads); CUDA caps the last two at 65535.
-  check.require(a.qo_indptr.size(0) - 1 <= 65535, "qo_indptr",
-                "batch size " + std::to_string(a.qo_indptr.size(0) - 1) + " exceeds 65535 requests");
-  check.require(a.q.size(1) <= 65535, "q", "more than 65535 query heads");
+  TESSERA_REQUIRE(check, a.qo_indptr.size(0) - 1 <= 65535, "qo_indptr",
+                  "batch size " + std::to_string(a.qo_indptr.size(0) - 1) + " exceeds 65535 requests");
+  TESSERA_REQUIRE(check, a.q.size(1) <= 65535, "q", "more than 65535 query heads");
 }
 
 }  // namespace
@@ -131,17 +131,17 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   check.same_shape(c.k_pages, "k_pages", c.v_pages, "v_pages");
   check.vectorizable_rows(c.k_pages, "k_pages");
   check.vectorizable_rows(c.v_pages, "v_pages");
-  check.require(c.head_dim() == a.q.size(2), "k_pages",
-                "head_dim " + std::to_string(c.head_dim()) + " must equal q's head_dim " +
-                    std::to_string(a.q.size(2)));
+  TESSERA_REQUIRE(check, c.head_dim() == a.q.size(2), "k_pages",
+                  "head_dim " + std::to_string(c.head_dim()) + " must equal q's head_dim " +
+                      std::to_string(a.q.size(2)));
   check.head_config(a.q.size(1), c.num_kv_heads(), a.q.size(2), dispatch::compiled_prefill_head_dims());
-  check.require(c.page_size() >= 1, "k_pages", "page_size must be at least 1");
+  TESSERA_REQUIRE(check, c.page_size() >= 1, "k_pages", "page_size must be at least 1");
   for (const TensorView* t : {&c.k_pages, &c.v_pages}) {
     for (int d = 0; d < 3; ++d) {
-      check.require(t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
-                    t == &c.k_pages ? "k_pages" : "v_pages",
-                    "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
-                        " must be in 0..2^31 - 1");
+      TESSERA_REQUIRE(check, t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
+                      t == &c.k_pages ? "k_pages" : "v_pages",
+                      "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
+                          " must be in 0..2^31 - 1");
     }
   }
   check_variant(check, a.window_left, a.scale, a.soft_cap);
@@ -150,18 +150,18 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   check.index_array(a.table.indptr, "kv_indptr");
   check.index_array(a.table.indices, "kv_indices");
   check.index_array(a.table.last_page_len, "kv_last_page_len");
-  check.require(a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
+  TESSERA_REQUIRE(check, a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
   const int64_t n = a.qo_indptr.size(0);
   check.dim(a.table.indptr, "kv_indptr", 0, n, "qo_indptr's length");
   check.dim(a.table.last_page_len, "kv_last_page_len", 0, n - 1, "the batch size");
-  check.require(a.host_qo_indptr != nullptr, "host_qo_indptr",
-                "is required (a host copy of qo_indptr sizes the launch)");
-  check.require(a.table.host_indptr != nullptr, "host_indptr",
-                "is required (a host copy of kv_indptr sizes the launch)");
-  check.require(a.table.host_indices != nullptr, "host_indices",
-                "is required (a host copy of kv_indices: page ids are checked against the cache)");
-  check.require(a.table.host_last_page_len != nullptr, "host_last_page_len",
-                "is required (a host copy of kv_last_page_len)");
+  TESSERA_REQUIRE(check, a.host_qo_indptr != nullptr, "host_qo_indptr",
+                  "is required (a host copy of qo_indptr sizes the launch)");
+  TESSERA_REQUIRE(check, a.table.host_indptr != nullptr, "host_indptr",
+                  "is required (a host copy of kv_indptr sizes the launch)");
+  TESSERA_REQUIRE(check, a.table.host_indices != nullptr, "host_indices",
+                  "is required (a host copy of kv_indices: page ids are checked against the cache)");
+  TESSERA_REQUIRE(check, a.table.host_last_page_len != nullptr, "host_last_page_len",
+                  "is required (a host copy of kv_last_page_len)");
   check.indptr_host(a.host_qo_indptr, n, "qo_indptr", a.q.size(0), /*exact_end=*/false);
   check.indptr_host(a.table.host_indptr, n, "kv_indptr", a.table.indices.size(0), /*exact_end=*/false);
   const auto bsr = format::bsr_from_page_table(static_cast<int32_t>(c.page_size()), static_cast<int32_t>(n - 1),
@@ -173,9 +173,9 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
     const bool named = colon != std::string::npos && bad.compare(0, 3, "kv_") == 0;
     check.fail(named ? bad.substr(0, colon).c_str() : "kv_indptr", named ? bad.substr(colon + 2) : bad);
   }
-  check.require(a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
-  check.require(n - 1 <= 65535, "qo_indptr", "batch size " + std::to_string(n - 1) + " exceeds 65535 requests");
-  check.require(a.q.size(1) <= 65535, "q", "more than 65535 query heads");
+  TESSERA_REQUIRE(check, a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
+  TESSERA_REQUIRE(check, n - 1 <= 65535, "qo_indptr", "batch size " + std::to_string(n - 1) + " exceeds 65535 requests");
+  TESSERA_REQUIRE(check, a.q.size(1) <= 65535, "q", "more than 65535 query heads");
 }
 
 }  // namespace
@@ -229,7 +229,7 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
     const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
     max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
   }
-  check.require(max_kv < (int64_t(1) << 31), "kv_indptr", "a request holds more than 2^31 - 1 tokens");
+  TESSERA_REQUIRE(check, max_kv < (int64_t(1) << 31), "kv_indptr", "a request holds more than 2^31 - 1 tokens");
   p.max_qo_len = max_qo;
   p.causal = a.causal;
   p.window_left = a.window_left >= max_kv ? -1 : a.window_left;

@@ -24,27 +24,27 @@ constexpr int kMaxPageSize = 256;
 
 void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
   check.head_config(c.num_qo_heads, c.num_kv_heads, c.head_dim, dispatch::compiled_prefill_head_dims());
-  check.require(c.num_qo_heads / c.num_kv_heads <= kMaxGroup, "num_qo_heads",
-                "the GQA group num_qo_heads / num_kv_heads = " +
-                    std::to_string(c.num_qo_heads / c.num_kv_heads) + " exceeds " +
-                    std::to_string(kMaxGroup));
-  check.require(c.dtype == DType::kBF16 || c.dtype == DType::kFP16, "dtype",
-                std::string("must be bf16 or fp16, got ") + dtype_name(c.dtype));
-  check.require(dispatch::decode_compiled(c.dtype, c.head_dim), "dtype",
-                std::string("paged decode for ") + dtype_name(c.dtype) + " head_dim " +
-                    std::to_string(c.head_dim) + " is not compiled in this build");
-  check.require(c.page_size >= 1 && c.page_size <= kMaxPageSize, "page_size",
-                "must be in 1.." + std::to_string(kMaxPageSize) + ", got " + std::to_string(c.page_size));
-  check.require(c.max_batch_size >= 1, "max_batch_size",
-                "must be >= 1, got " + std::to_string(c.max_batch_size));
-  check.require(c.max_qo_len >= 1 && c.max_qo_len <= kMaxQoLen, "max_qo_len",
-                "must be in 1.." + std::to_string(kMaxQoLen) + ", got " + std::to_string(c.max_qo_len));
-  check.require(c.window_left >= -1, "window_left",
-                "must be -1 (no window) or >= 0, got " + std::to_string(c.window_left));
-  check.require(std::isfinite(c.scale) && c.scale >= 0.f, "scale",
-                "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  check.require(std::isfinite(c.soft_cap) && c.soft_cap >= 0.f, "soft_cap",
-                "must be finite and >= 0 (0 means no soft-cap)");
+  TESSERA_REQUIRE(check, c.num_qo_heads / c.num_kv_heads <= kMaxGroup, "num_qo_heads",
+                  "the GQA group num_qo_heads / num_kv_heads = " +
+                      std::to_string(c.num_qo_heads / c.num_kv_heads) + " exceeds " +
+                      std::to_string(kMaxGroup));
+  TESSERA_REQUIRE(check, c.dtype == DType::kBF16 || c.dtype == DType::kFP16, "dtype",
+                  std::string("must be bf16 or fp16, got ") + dtype_name(c.dtype));
+  TESSERA_REQUIRE(check, dispatch::decode_compiled(c.dtype, c.head_dim), "dtype",
+                  std::string("paged decode for ") + dtype_name(c.dtype) + " head_dim " +
+                      std::to_string(c.head_dim) + " is not compiled in this build");
+  TESSERA_REQUIRE(check, c.page_size >= 1 && c.page_size <= kMaxPageSize, "page_size",
+                  "must be in 1.." + std::to_string(kMaxPageSize) + ", got " + std::to_string(c.page_size));
+  TESSERA_REQUIRE(check, c.max_batch_size >= 1, "max_batch_size",
+                  "must be >= 1, got " + std::to_string(c.max_batch_size));
+  TESSERA_REQUIRE(check, c.max_qo_len >= 1 && c.max_qo_len <= kMaxQoLen, "max_qo_len",
+                  "must be in 1.." + std::to_string(kMaxQoLen) + ", got " + std::to_string(c.max_qo_len));
+  TESSERA_REQUIRE(check, c.window_left >= -1, "window_left",
+                  "must be -1 (no window) or >= 0, got " + std::to_string(c.window_left));
+  TESSERA_REQUIRE(check, std::isfinite(c.scale) && c.scale >= 0.f, "scale",
+                  "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  TESSERA_REQUIRE(check, std::isfinite(c.soft_cap) && c.soft_cap >= 0.f, "soft_cap",
+                  "must be finite and >= 0 (0 means no soft-cap)");
 }
 
 struct GpuShape {
@@ -124,17 +124,17 @@ BatchDecoder::BatchDecoder(const DecodeConfig& config, void* workspace, std::siz
   validate_config(check, config);
   impl_ = std::make_unique<Impl>(config, current_gpu_shape(config));
   const std::size_t needed = impl_->planner.workspace_bytes();
-  check.require(workspace != nullptr, "workspace", "must not be null");
-  check.require(workspace_size >= needed, "workspace_size",
-                std::to_string(workspace_size) + " bytes is less than the " + std::to_string(needed) +
-                    " this config needs (BatchDecoder::workspace_bytes)");
-  check.require(reinterpret_cast<uintptr_t>(workspace) % 256 == 0, "workspace",
-                "must be 256-byte aligned (cudaMalloc's alignment)");
+  TESSERA_REQUIRE(check, workspace != nullptr, "workspace", "must not be null");
+  TESSERA_REQUIRE(check, workspace_size >= needed, "workspace_size",
+                  std::to_string(workspace_size) + " bytes is less than the " + std::to_string(needed) +
+                      " this config needs (BatchDecoder::workspace_bytes)");
+  TESSERA_REQUIRE(check, reinterpret_cast<uintptr_t>(workspace) % 256 == 0, "workspace",
+                  "must be 256-byte aligned (cudaMalloc's alignment)");
   cudaPointerAttributes attr{};
   const bool device_memory = cudaPointerGetAttributes(&attr, workspace) == cudaSuccess &&
                              (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
   cudaGetLastError();
-  check.require(device_memory, "workspace", "must be device memory (cudaMalloc)");
+  TESSERA_REQUIRE(check, device_memory, "workspace", "must be device memory (cudaMalloc)");
   TESSERA_CUDA_CHECK(cudaGetDevice(&impl_->device));
   impl_->workspace = static_cast<unsigned char*>(workspace);
   TESSERA_CUDA_CHECK(cudaMallocHost(&impl_->staging, impl_->planner.layout().plan_bytes));
@@ -150,17 +150,17 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
                         int64_t num_pages) {
   const detail::ArgCheck check("BatchDecoder::plan");
   Impl& im = *impl_;
-  check.require(host_qo_indptr != nullptr, "host_qo_indptr", "is required");
-  check.require(table.host_indptr != nullptr, "host_indptr", "is required (a host copy of kv_indptr)");
-  check.require(table.host_indices != nullptr, "host_indices", "is required (a host copy of kv_indices)");
-  check.require(table.host_last_page_len != nullptr, "host_last_page_len",
-                "is required (a host copy of kv_last_page_len)");
-  check.require(table.indptr.rank == 1 && table.indptr.size(0) >= 1, "kv_indptr",
-                "must be 1-D with batch_size + 1 >= 1 entries");
+  TESSERA_REQUIRE(check, host_qo_indptr != nullptr, "host_qo_indptr", "is required");
+  TESSERA_REQUIRE(check, table.host_indptr != nullptr, "host_indptr", "is required (a host copy of kv_indptr)");
+  TESSERA_REQUIRE(check, table.host_indices != nullptr, "host_indices", "is required (a host copy of kv_indices)");
+  TESSERA_REQUIRE(check, table.host_last_page_len != nullptr, "host_last_page_len",
+                  "is required (a host copy of kv_last_page_len)");
+  TESSERA_REQUIRE(check, table.indptr.rank == 1 && table.indptr.size(0) >= 1, "kv_indptr",
+                  "must be 1-D with batch_size + 1 >= 1 entries");
   const int64_t batch = table.batch_size();
-  check.require(batch <= im.config.max_batch_size, "kv_indptr",
-                "batch size " + std::to_string(batch) + " exceeds the decoder's max_batch_size " +
-                    std::to_string(im.config.max_batch_size));
+  TESSERA_REQUIRE(check, batch <= im.config.max_batch_size, "kv_indptr",
+                  "batch size " + std::to_string(batch) + " exceeds the decoder's max_batch_size " +
+                      std::to_string(im.config.max_batch_size));
   const auto bsr = format::bsr_from_page_table(im.config.page_size, static_cast<int32_t>(batch),
                                                table.host_indptr, table.host_indices,
                                                table.host_last_page_len);
@@ -200,7 +200,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   const detail::ArgCheck check("BatchDecoder::run");
   const Impl& im = *impl_;
   const DecodeConfig& c = im.config;
-  check.require(im.planned, "plan", "run() needs a plan(): call plan() once per step first");
+  TESSERA_REQUIRE(check, im.planned, "plan", "run() needs a plan(): call plan() once per step first");
 
   check.tensor(q, "q", 3);
   check.tensor(o, "o", 3);
@@ -209,9 +209,9 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   check.dim(q, "q", 1, c.num_qo_heads, "num_qo_heads of the config");
   check.dim(q, "q", 2, c.head_dim, "head_dim of the config");
   check.same_shape(q, "q", o, "o");
-  check.require(q.size(0) >= im.total_q, "q",
-                "has " + std::to_string(q.size(0)) + " rows but the plan's qo_indptr ends at " +
-                    std::to_string(im.total_q));
+  TESSERA_REQUIRE(check, q.size(0) >= im.total_q, "q",
+                  "has " + std::to_string(q.size(0)) + " rows but the plan's qo_indptr ends at " +
+                      std::to_string(im.total_q));
   check.vectorizable_rows(q, "q");
   check.vectorizable_rows(o, "o");
 
@@ -220,34 +220,34 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   check.dtype(cache.k_pages, "k_pages", {c.dtype});
   check.dtype(cache.v_pages, "v_pages", {c.dtype});
   check.same_shape(cache.k_pages, "k_pages", cache.v_pages, "v_pages");
-  check.require(cache.layout == c.layout, "cache",
-                std::string("layout ") + kv_layout_name(cache.layout) +
-                    " differs from the config's " + kv_layout_name(c.layout));
-  check.require(cache.page_size() == c.page_size, "k_pages",
-                "page_size " + std::to_string(cache.page_size()) + " differs from the config's " +
-                    std::to_string(c.page_size));
-  check.require(cache.num_kv_heads() == c.num_kv_heads, "k_pages",
-                "num_kv_heads " + std::to_string(cache.num_kv_heads()) +
-                    " differs from the config's " + std::to_string(c.num_kv_heads));
-  check.require(cache.head_dim() == c.head_dim, "k_pages",
-                "head_dim " + std::to_string(cache.head_dim()) + " differs from the config's " +
-                    std::to_string(c.head_dim));
+  TESSERA_REQUIRE(check, cache.layout == c.layout, "cache",
+                  std::string("layout ") + kv_layout_name(cache.layout) +
+                      " differs from the config's " + kv_layout_name(c.layout));
+  TESSERA_REQUIRE(check, cache.page_size() == c.page_size, "k_pages",
+                  "page_size " + std::to_string(cache.page_size()) + " differs from the config's " +
+                      std::to_string(c.page_size));
+  TESSERA_REQUIRE(check, cache.num_kv_heads() == c.num_kv_heads, "k_pages",
+                  "num_kv_heads " + std::to_string(cache.num_kv_heads()) +
+                      " differs from the config's " + std::to_string(c.num_kv_heads));
+  TESSERA_REQUIRE(check, cache.head_dim() == c.head_dim, "k_pages",
+                  "head_dim " + std::to_string(cache.head_dim()) + " differs from the config's " +
+                      std::to_string(c.head_dim));
   check.vectorizable_rows(cache.k_pages, "k_pages");
   check.vectorizable_rows(cache.v_pages, "v_pages");
-  check.require(im.checked_num_pages < 0 || cache.num_pages() >= im.checked_num_pages, "k_pages",
-                "holds " + std::to_string(cache.num_pages()) + " pages but plan() checked the page ids "
-                "against " + std::to_string(im.checked_num_pages));
+  TESSERA_REQUIRE(check, im.checked_num_pages < 0 || cache.num_pages() >= im.checked_num_pages, "k_pages",
+                  "holds " + std::to_string(cache.num_pages()) + " pages but plan() checked the page ids "
+                  "against " + std::to_string(im.checked_num_pages));
   check.index_array(table.indices, "kv_indices");
-  check.require(table.indices.size(0) >= im.total_pages, "kv_indices",
-                "has " + std::to_string(table.indices.size(0)) + " entries but the plan's page table uses " +
-                    std::to_string(im.total_pages));
+  TESSERA_REQUIRE(check, table.indices.size(0) >= im.total_pages, "kv_indices",
+                  "has " + std::to_string(table.indices.size(0)) + " entries but the plan's page table uses " +
+                      std::to_string(im.total_pages));
 
   if (!lse.empty_view()) {
     check.tensor(lse, "lse", 2);
     check.dtype(lse, "lse", {DType::kFP32});
-    check.require(lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
-                  "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
-                      std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
+    TESSERA_REQUIRE(check, lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
+                    "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
+                        std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
     check.output_layout(lse, "lse");
     check.disjoint(lse, "lse", o, "o");
   }
@@ -258,9 +258,9 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   }
   int device = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  check.require(device == im.device, "stream",
-                "the current device (" + std::to_string(device) + ") is not the decoder's (" +
-                    std::to_string(im.device) + ")");
+  TESSERA_REQUIRE(check, device == im.device, "stream",
+                  "the current device (" + std::to_string(device) + ") is not the decoder's (" +
+                      std::to_string(im.device) + ")");
 
   const plan::WorkspaceLayout& layout = im.planner.layout();
   kernels::DecodeParams p;
@@ -277,10 +277,10 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   }
   for (const TensorView* t : {&cache.k_pages, &cache.v_pages}) {
     for (int d = 0; d < 3; ++d) {
-      check.require(t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
-                    t == &cache.k_pages ? "k_pages" : "v_pages",
-                    "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
-                        " must be in 0..2^31 - 1 (one page must span less than 2^31 elements)");
+      TESSERA_REQUIRE(check, t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
+                      t == &cache.k_pages ? "k_pages" : "v_pages",
+                      "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
+                          " must be in 0..2^31 - 1 (one page must span less than 2^31 elements)");
     }
   }
   const bool nhd = cache.layout == KVLayout::kNHD;

@@ -28,23 +28,23 @@ void check_state(const detail::ArgCheck& check, const TensorView& o, const char*
   check.tensor(s, s_name, rank - 1);
   check.dtype(s, s_name, {DType::kFP32});
   for (int d = 0; d < rank - 1; ++d) {
-    check.require(s.size(d) == o.size(d), s_name,
-                  "shape " + detail::shape_string(s) + " must equal the leading dims of '" +
-                      o_name + "' " + detail::shape_string(o));
+    TESSERA_REQUIRE(check, s.size(d) == o.size(d), s_name,
+                    "shape " + detail::shape_string(s) + " must equal the leading dims of '" +
+                        o_name + "' " + detail::shape_string(o));
   }
 }
 
 void check_head_dim(const detail::ArgCheck& check, const TensorView& o, const char* name) {
   const int64_t d = o.size(-1);
   // One (row, head) must fit one warp at 8 elements a thread: head_dim / 8 divides 32.
-  check.require(d == 8 || d == 16 || d == 32 || d == 64 || d == 128 || d == 256, name,
-                "head_dim must be one of 8, 16, 32, 64, 128, 256, got " + std::to_string(d));
+  TESSERA_REQUIRE(check, d == 8 || d == 16 || d == 32 || d == 64 || d == 128 || d == 256, name,
+                  "head_dim must be one of 8, 16, 32, 64, 128, 256, got " + std::to_string(d));
 }
 
 void check_size(const detail::ArgCheck& check, const TensorView& o_out) {
   // The kernel's grid-stride loop runs in int32: keep the last stride step below 2^31 too.
-  check.require(o_out.numel() / 8 < (int64_t(1) << 31) - (int64_t(1) << 24), "o_out",
-                "too many elements for one call");
+  TESSERA_REQUIRE(check, o_out.numel() / 8 < (int64_t(1) << 31) - (int64_t(1) << 24), "o_out",
+                  "too many elements for one call");
 }
 
 void fill_output(kernels::MergeStatesParams& p, const TensorView& o_out, const TensorView& s_out) {
@@ -136,20 +136,20 @@ void merge_states(const TensorView& o_parts, const TensorView& s_parts, const Te
   const detail::ArgCheck check("merge_states");
   check_state(check, o_parts, "o_parts", s_parts, "s_parts", 4);
   check_head_dim(check, o_parts, "o_parts");
-  check.require(o_parts.size(1) >= 1, "o_parts", "must hold at least one state (dim 1)");
+  TESSERA_REQUIRE(check, o_parts.size(1) >= 1, "o_parts", "must hold at least one state (dim 1)");
   check.tensor(o_out, "o_out", 3);
   check_out_dtype(check, o_parts.dtype, o_out);
   check.vectorizable_rows(o_out, "o_out");
-  check.require(o_out.size(0) == o_parts.size(0) && o_out.size(1) == o_parts.size(2) &&
-                    o_out.size(2) == o_parts.size(3),
-                "o_out",
-                "shape " + detail::shape_string(o_out) + " must be [rows, heads, head_dim] of "
-                "'o_parts' " + detail::shape_string(o_parts));
+  TESSERA_REQUIRE(check, o_out.size(0) == o_parts.size(0) && o_out.size(1) == o_parts.size(2) &&
+                      o_out.size(2) == o_parts.size(3),
+                  "o_out",
+                  "shape " + detail::shape_string(o_out) + " must be [rows, heads, head_dim] of "
+                  "'o_parts' " + detail::shape_string(o_parts));
   if (!s_out.empty_view()) {
     check.tensor(s_out, "s_out", 2);
     check.dtype(s_out, "s_out", {DType::kFP32});
-    check.require(s_out.size(0) == o_out.size(0) && s_out.size(1) == o_out.size(1), "s_out",
-                  "shape " + detail::shape_string(s_out) + " must be [rows, heads]");
+    TESSERA_REQUIRE(check, s_out.size(0) == o_out.size(0) && s_out.size(1) == o_out.size(1), "s_out",
+                    "shape " + detail::shape_string(s_out) + " must be [rows, heads]");
   }
   check_size(check, o_out);
   check_outputs(check, o_out, s_out, {{&o_parts, "o_parts"}, {&s_parts, "s_parts"}},

@@ -38,16 +38,16 @@ void ArgCheck::fail(const char* arg, const std::string& rule) const {
 }
 
 void ArgCheck::tensor(const TensorView& t, const char* arg, int rank, Device device) const {
-  require(t.rank == rank, arg,
-          "must have rank " + std::to_string(rank) + ", got rank " + std::to_string(t.rank) +
-              " " + shape_string(t));
+  TESSERA_REQUIRE(*this, t.rank == rank, arg,
+                         "must have rank " + std::to_string(rank) + ", got rank " + std::to_string(t.rank) +
+                             " " + shape_string(t));
   for (int i = 0; i < t.rank; ++i) {
-    require(t.shape[i] >= 0, arg, "has a negative size in dim " + std::to_string(i));
+    TESSERA_REQUIRE(*this, t.shape[i] >= 0, arg, "has a negative size in dim " + std::to_string(i));
   }
-  require(t.data != nullptr || t.numel() == 0, arg, "has a null data pointer");
-  require(t.device == device, arg,
-          std::string("must be in ") + (device == Device::kCUDA ? "device" : "host") +
-              " memory");
+  TESSERA_REQUIRE(*this, t.data != nullptr || t.numel() == 0, arg, "has a null data pointer");
+  TESSERA_REQUIRE(*this, t.device == device, arg,
+                         std::string("must be in ") + (device == Device::kCUDA ? "device" : "host") +
+                             " memory");
 }
 
 void ArgCheck::dtype(const TensorView& t, const char* arg,
@@ -62,26 +62,26 @@ void ArgCheck::dtype(const TensorView& t, const char* arg,
 
 void ArgCheck::dim(const TensorView& t, const char* arg, int d, int64_t expected,
                    const char* expected_name) const {
-  require(t.size(d) == expected, arg,
-          "dim " + std::to_string(d) + " must equal " + expected_name + " = " +
-              std::to_string(expected) + ", got " + std::to_string(t.size(d)) + " (shape " +
-              shape_string(t) + ")");
+  TESSERA_REQUIRE(*this, t.size(d) == expected, arg,
+                         "dim " + std::to_string(d) + " must equal " + expected_name + " = " +
+                             std::to_string(expected) + ", got " + std::to_string(t.size(d)) + " (shape " +
+                             shape_string(t) + ")");
 }
 
 void ArgCheck::vectorizable_rows(const TensorView& t, const char* arg) const {
   const int64_t elems_per_16b = 16 / static_cast<int64_t>(dtype_size(t.dtype));
-  require(t.stride_of(-1) == 1 || t.size(-1) == 1, arg,
-          "the last dim (head_dim) must be contiguous (stride 1), got stride " +
-              std::to_string(t.stride_of(-1)));
-  require(t.size(-1) % elems_per_16b == 0, arg,
-          "the last dim must be a multiple of " + std::to_string(elems_per_16b) +
-              " elements (16 bytes), got " + std::to_string(t.size(-1)));
-  require(reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, arg,
-          "data pointer must be 16-byte aligned");
+  TESSERA_REQUIRE(*this, t.stride_of(-1) == 1 || t.size(-1) == 1, arg,
+                         "the last dim (head_dim) must be contiguous (stride 1), got stride " +
+                             std::to_string(t.stride_of(-1)));
+  TESSERA_REQUIRE(*this, t.size(-1) % elems_per_16b == 0, arg,
+                         "the last dim must be a multiple of " + std::to_string(elems_per_16b) +
+                             " elements (16 bytes), got " + std::to_string(t.size(-1)));
+  TESSERA_REQUIRE(*this, reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0, arg,
+                         "data pointer must be 16-byte aligned");
   for (int i = 0; i + 1 < t.rank; ++i) {
-    require(t.stride[i] % elems_per_16b == 0 || t.shape[i] == 1, arg,
-            "stride of dim " + std::to_string(i) + " (" + std::to_string(t.stride[i]) +
-                ") must be a multiple of 16 bytes");
+    TESSERA_REQUIRE(*this, t.stride[i] % elems_per_16b == 0 || t.shape[i] == 1, arg,
+                           "stride of dim " + std::to_string(i) + " (" + std::to_string(t.stride[i]) +
+                               ") must be a multiple of 16 bytes");
   }
 }
 
@@ -89,9 +89,9 @@ void ArgCheck::same_shape(const TensorView& a, const char* a_name, const TensorV
                           const char* b_name) const {
   bool same = a.rank == b.rank;
   for (int i = 0; same && i < a.rank; ++i) same = a.shape[i] == b.shape[i];
-  require(same, b_name,
-          "shape " + shape_string(b) + " must equal the shape of '" + a_name + "' " +
-              shape_string(a));
+  TESSERA_REQUIRE(*this, same, b_name,
+                         "shape " + shape_string(b) + " must equal the shape of '" + a_name + "' " +
+                             shape_string(a));
 }
 
 void ArgCheck::output_layout(const TensorView& t, const char* arg) const {
@@ -100,9 +100,9 @@ void ArgCheck::output_layout(const TensorView& t, const char* arg) const {
   int n = 0;
   for (int i = 0; i < t.rank; ++i) {
     if (t.shape[i] <= 1) continue;
-    require(t.stride[i] > 0, arg,
-            "is written by the kernel, so dim " + std::to_string(i) +
-                " must have a positive stride, got " + std::to_string(t.stride[i]));
+    TESSERA_REQUIRE(*this, t.stride[i] > 0, arg,
+                           "is written by the kernel, so dim " + std::to_string(i) +
+                               " must have a positive stride, got " + std::to_string(t.stride[i]));
     dims[n++] = i;
   }
   for (int k = 1; k < n; ++k) {  // insertion sort by stride: at most kMaxRank dims
@@ -111,10 +111,10 @@ void ArgCheck::output_layout(const TensorView& t, const char* arg) const {
   int64_t extent = 1;  // elements spanned by the dims placed so far
   for (int k = 0; k < n; ++k) {
     const int i = dims[k];
-    require(t.stride[i] >= extent, arg,
-            "is written by the kernel, so its elements must not overlap: dim " + std::to_string(i) +
-                " has stride " + std::to_string(t.stride[i]) + " inside the " +
-                std::to_string(extent) + "-element extent of the dims below it");
+    TESSERA_REQUIRE(*this, t.stride[i] >= extent, arg,
+                           "is written by the kernel, so its elements must not overlap: dim " + std::to_string(i) +
+                               " has stride " + std::to_string(t.stride[i]) + " inside the " +
+                               std::to_string(extent) + "-element extent of the dims below it");
     extent = t.stride[i] * (t.shape[i] - 1) + extent;
   }
 }
@@ -123,24 +123,24 @@ void ArgCheck::disjoint(const TensorView& out, const char* out_name, const Tenso
                         const char* in_name) const {
   const auto a = byte_span(out), b = byte_span(in);
   const bool overlap = a.first < b.second && b.first < a.second;
-  require(!overlap, out_name,
-          std::string("must not overlap '") + in_name + "' (an output may not alias an input)");
+  TESSERA_REQUIRE(*this, !overlap, out_name,
+                         std::string("must not overlap '") + in_name + "' (an output may not alias an input)");
 }
 
 void ArgCheck::index_array(const TensorView& t, const char* arg) const {
   tensor(t, arg, 1);
   dtype(t, arg, {DType::kInt32});
-  require(t.stride[0] == 1 || t.shape[0] <= 1, arg,
-          "must be contiguous (stride 1), got stride " + std::to_string(t.stride[0]));
+  TESSERA_REQUIRE(*this, t.stride[0] == 1 || t.shape[0] <= 1, arg,
+                         "must be contiguous (stride 1), got stride " + std::to_string(t.stride[0]));
 }
 
 void ArgCheck::head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
                            const std::vector<int>& supported) const {
-  require(num_kv_heads >= 1, "num_kv_heads", "must be at least 1, got " + std::to_string(num_kv_heads));
-  require(num_qo_heads >= 1, "num_qo_heads", "must be at least 1, got " + std::to_string(num_qo_heads));
-  require(num_qo_heads % num_kv_heads == 0, "num_qo_heads",
-          "must be a multiple of num_kv_heads (GQA group), got " + std::to_string(num_qo_heads) +
-              " query heads for " + std::to_string(num_kv_heads) + " KV heads");
+  TESSERA_REQUIRE(*this, num_kv_heads >= 1, "num_kv_heads", "must be at least 1, got " + std::to_string(num_kv_heads));
+  TESSERA_REQUIRE(*this, num_qo_heads >= 1, "num_qo_heads", "must be at least 1, got " + std::to_string(num_qo_heads));
+  TESSERA_REQUIRE(*this, num_qo_heads % num_kv_heads == 0, "num_qo_heads",
+                         "must be a multiple of num_kv_heads (GQA group), got " + std::to_string(num_qo_heads) +
+                             " query heads for " + std::to_string(num_kv_heads) + " KV heads");
   std::string list;
   for (int d : supported) {
     if (d == head_dim) return;
@@ -153,20 +153,22 @@ void ArgCheck::head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t h
 void ArgCheck::indptr_host(const int32_t* indptr, int64_t count, const char* arg,
                            int64_t max_end, bool exact_end) const {
   if (count <= 0) return;
-  require(indptr[0] == 0, arg, "must start at 0, got " + std::to_string(indptr[0]));
+  TESSERA_REQUIRE(*this, indptr[0] == 0, arg, "must start at 0, got " + std::to_string(indptr[0]));
   for (int64_t i = 1; i < count; ++i) {
-    require(indptr[i] >= indptr[i - 1], arg,
-            "must be non-decreasing, but entry " + std::to_string(i) + " (" +
-                std::to_string(indptr[i]) + ") < entry " + std::to_string(i - 1) + " (" +
-                std::to_string(indptr[i - 1]) + ")");
+    // The message is built only on failure: this loop runs per call over the whole batch.
+    if (indptr[i] < indptr[i - 1]) {
+      fail(arg, "must be non-decreasing, but entry " + std::to_string(i) + " (" +
+                    std::to_string(indptr[i]) + ") < entry " + std::to_string(i - 1) + " (" +
+                    std::to_string(indptr[i - 1]) + ")");
+    }
   }
   const int64_t end = indptr[count - 1];
   if (exact_end) {
-    require(end == max_end, arg,
-            "last entry must equal " + std::to_string(max_end) + ", got " + std::to_string(end));
+    TESSERA_REQUIRE(*this, end == max_end, arg,
+                           "last entry must equal " + std::to_string(max_end) + ", got " + std::to_string(end));
   } else {
-    require(end <= max_end, arg,
-            "last entry " + std::to_string(end) + " exceeds " + std::to_string(max_end));
+    TESSERA_REQUIRE(*this, end <= max_end, arg,
+                           "last entry " + std::to_string(end) + " exceeds " + std::to_string(max_end));
   }
 }
 

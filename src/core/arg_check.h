@@ -12,6 +12,12 @@
 #include "tessera/error.h"
 #include "tessera/tensor.h"
 
+// check: an ArgCheck; the message expression is evaluated only when `ok` is false.
+#define TESSERA_REQUIRE(check, ok, arg, message) \
+  do {                                           \
+    if (!(ok)) (check).fail(arg, message);       \
+  } while (0)
+
 namespace tessera::detail {
 
 class ArgCheck {
@@ -19,6 +25,8 @@ class ArgCheck {
   explicit ArgCheck(const char* entry_point) : entry_(entry_point) {}
 
   [[noreturn]] void fail(const char* arg, const std::string& rule) const;
+  // Prefer TESSERA_REQUIRE (below), which builds the message only on failure: entry points run
+  // per layer per step, and eagerly built messages cost microseconds per call.
   void require(bool ok, const char* arg, const std::string& rule) const {
     if (!ok) fail(arg, rule);
   }
