@@ -52,7 +52,8 @@ struct DecodeTileConfig {
   static constexpr bool kQInRegisters = kHeadDim <= 128;
   static_assert(kThreads % kChunksPerRow == 0 && kBlockN % kRowStep == 0, "copy layout");
   static_assert(kWarps * kRows * kScratchStride * 4 <= kStages * kStageBytes &&
-                    kThreads * 11 * 4 <= kStages * kStageBytes,
+                    (kThreads * 11 + kThreads / (kHeadDim / 8) * (kHeadDim + 1)) * 4 <=
+                        kStages * kStageBytes,
                 "the combine and merge scratch reuse the stages");
 };
 
@@ -65,49 +66,65 @@ __device__ inline int page_index(const DecodeParams& p, int token) {
 }
 
 // Merges the chunk partials of one split (request, KV head) into O / LSE: run by the CTA that
-// finished the request's last chunk. Each (query row, 8-element vector) pair is accumulated by
-// `lanes` threads over interleaved slots (eight loads in flight per thread), folded through shared
-// memory. Fixed order of slots and folds: the result does not depend on which CTA merges.
+// finished the request's last chunk. The partials are staged into shared memory with cp.async (a
+// round's bytes all in flight at once, no registers held per load: loading them into registers in
+// batches of 8 took three L2 round trips at 33 chunks), then each (query row, 8-element vector)
+// pair is accumulated by `lanes` threads over interleaved slots and folded through shared memory.
+// Fixed order of slots and folds: the result does not depend on which CTA merges.
 template <typename T, int kHeadDim, int kThreads>
 __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow& m,
-                                     const plan::RequestInfo& req, int group, float* scratch) {
+                                     const plan::RequestInfo& req, int group, float* scratch,
+                                     int scratch_floats) {
   constexpr int kVecs = kHeadDim / 8;
-  constexpr int kBatch = kThreads > 128 ? 4 : 8;  // hd64's 256 threads have 128 registers each
   constexpr int kStash = 3 + MergeAccumulator::kElems;  // max, sum, nan, acc[8]
+  static_assert(kThreads % kVecs == 0, "a round of pairs covers whole rows");
   const int rows = req.qo_len * group;
   const int pairs = rows * kVecs;
   const int lanes = pairs >= kThreads ? 1 : kThreads / pairs;
   const int per_round = kThreads / lanes;
   const int64_t first_row = p.slot_rows[m.first_slot];
+  float* stash = scratch + scratch_floats - kThreads * kStash;
+  float* staged = scratch;  // [slot][row of this base][kHeadDim], then the LSEs [slot][row]
   for (int base = 0; base < pairs; base += per_round) {
+    const int row0 = base / kVecs;
+    const int nrows = min(rows - row0, per_round / kVecs);
     const int u = base + threadIdx.x % per_round;
     const int lane = threadIdx.x / per_round;
     const bool active = u < pairs && lane < lanes;
     const int rr = u / kVecs, col = (u % kVecs) * 8;
+    const int slot_floats = nrows * (kHeadDim + 1);
+    const int max_slots = (scratch_floats - kThreads * kStash) / slot_floats;
     MergeAccumulator acc;
-    if (active) {
-      for (int s0 = lane; s0 < m.num_slots; s0 += lanes * kBatch) {
-        float lse[kBatch];
-        float4 lo[kBatch], hi[kBatch];
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          const int slot = s0 + b * lanes < m.num_slots ? s0 + b * lanes : s0;
-          const int64_t prow = first_row + int64_t(slot) * rows + rr;
-          lse[b] = __ldcg(p.partial_lse + prow);
-          const float4* src = reinterpret_cast<const float4*>(p.partial_o + prow * kHeadDim + col);
-          lo[b] = __ldcg(src);
-          hi[b] = __ldcg(src + 1);
-        }
-#pragma unroll
-        for (int b = 0; b < kBatch; ++b) {
-          if (s0 + b * lanes >= m.num_slots) break;
-          const float o[8] = {lo[b].x, lo[b].y, lo[b].z, lo[b].w, hi[b].x, hi[b].y, hi[b].z, hi[b].w};
-          acc.add(lse[b], o);
+    for (int s0 = 0; s0 < m.num_slots; s0 += max_slots) {
+      const int n = min(max_slots, m.num_slots - s0);
+      float* staged_lse = staged + n * nrows * kHeadDim;
+      const int chunks_per_slot = nrows * kHeadDim / 4;
+      for (int c = threadIdx.x; c < n * chunks_per_slot; c += kThreads) {
+        const int s = c / chunks_per_slot, within = c - s * chunks_per_slot;
+        const float* src = p.partial_o + (first_row + int64_t(s0 + s) * rows + row0) * kHeadDim + within * 4;
+        cp_async_16(staged + s * nrows * kHeadDim + within * 4, src, true);
+      }
+      for (int c = threadIdx.x; c < n * nrows; c += kThreads) {
+        const int s = c / nrows, r = c - s * nrows;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(staged_lse + c)),
+                     "l"(p.partial_lse + first_row + int64_t(s0 + s) * rows + row0 + r));
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      if (active) {
+        for (int s = lane; s < n; s += lanes) {
+          const float* o_src = staged + (s * nrows + rr - row0) * kHeadDim + col;
+          const float4 lo = *reinterpret_cast<const float4*>(o_src);
+          const float4 hi = *reinterpret_cast<const float4*>(o_src + 4);
+          const float o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          acc.add(staged_lse[s * nrows + rr - row0], o);
         }
       }
+      __syncthreads();  // the staging area is refilled by the next round
     }
     if (lanes > 1) {  // uniform over the CTA
-      float* mine = scratch + threadIdx.x * kStash;
+      float* mine = stash + threadIdx.x * kStash;
       mine[0] = acc.max_s;
       mine[1] = acc.sum;
       mine[2] = acc.nan ? 1.f : 0.f;
@@ -116,7 +133,7 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
       __syncthreads();
       if (active && lane == 0) {
         for (int i = 1; i < lanes; ++i) {
-          const float* theirs = scratch + (i * per_round + threadIdx.x % per_round) * kStash;
+          const float* theirs = stash + (i * per_round + threadIdx.x % per_round) * kStash;
           MergeAccumulator other;
           other.max_s = theirs[0];
           other.sum = theirs[1];
@@ -442,7 +459,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
       __syncthreads();
       if (merges_here) {
         __threadfence();
-        merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch);
+        merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch,
+                                                    kStages * Cfg::kStageBytes / 4);
         if (threadIdx.x == 0) p.merge_counters[w.merge] = 0;  // ready for the next layer's run()
         __syncthreads();  // the scratch is refilled by the next item
       }
