@@ -74,6 +74,7 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.head_dim = c.head_dim;
   cap.num_sms = g.num_sms;
   cap.ctas_per_sm = g.ctas_per_sm;
+  cap.window_left = c.window_left;
   return cap;
 }
 

@@ -70,6 +70,7 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   keys_.reserve(cap_.max_batch_size);
   has_query_.reserve(cap_.max_batch_size);
   kv_len_.reserve(cap_.max_batch_size);
+  first_key_.reserve(cap_.max_batch_size);
 }
 
 int64_t DecodePlanner::max_partial_rows() const {
@@ -111,6 +112,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
 
   if (qo_indptr[0] != 0) fail("qo_indptr", "must start at 0, got " + std::to_string(qo_indptr[0]));
   kv_len_.clear();
+  first_key_.clear();
   has_query_.clear();
   plan_.requests.clear();
   int64_t longest = 0;
@@ -125,8 +127,13 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     if (tokens > INT32_MAX) {
       fail("kv_indptr", "request " + std::to_string(r) + " holds more than 2^31 - 1 tokens");
     }
-    // A request with no query this step reads nothing: cost 0, no work item.
-    kv_len_.push_back(qo_len == 0 ? 0 : tokens);
+    // A request with no query this step reads nothing: cost 0, no work item. With a sliding
+    // window its rows see keys from tokens - qo_len - window_left on (the first row's band; the
+    // kernel masks per row inside it), so only those are planned and read.
+    const int64_t first_key =
+        cap_.window_left >= 0 ? std::max<int64_t>(0, tokens - qo_len - cap_.window_left) : 0;
+    first_key_.push_back(static_cast<int32_t>(first_key));
+    kv_len_.push_back(qo_len == 0 ? 0 : tokens - first_key);
     has_query_.push_back(qo_len > 0);
     plan_.requests.push_back({qo_indptr[r], qo_len, static_cast<int32_t>(tokens), kv.indptr[r]});
     longest = std::max(longest, kv_len_.back());
@@ -177,8 +184,11 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int32_t r = static_cast<int32_t>(key & 0xffffffff);
     if (!has_query_[r]) continue;
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
+    const int32_t first = first_key_[r];
     if (len <= chunk) {
-      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) *out++ = {r, h, 0, len, -1, -1, plan_.requests[r]};
+      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
+        *out++ = {r, h, first, first + len, -1, -1, plan_.requests[r]};
+      }
       continue;
     }
     const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
@@ -186,8 +196,8 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
       const int32_t first_slot = plan_.num_slots();
       for (int32_t c = 0; c < chunks; ++c) {
-        const int32_t begin = static_cast<int32_t>(c * chunk);
-        const int32_t end = static_cast<int32_t>(std::min<int64_t>(begin + chunk, len));
+        const int32_t begin = first + static_cast<int32_t>(c * chunk);
+        const int32_t end = first + static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk, len));
         *out++ = {r, h, begin, end, first_slot + c, static_cast<int32_t>(plan_.merges.size()),
                   plan_.requests[r]};
         plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);

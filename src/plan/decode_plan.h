@@ -34,6 +34,7 @@ struct PlanCapacity {
   int32_t head_dim = 0;
   int32_t num_sms = 0;      // of the GPU the plan runs on
   int32_t ctas_per_sm = 1;  // resident CTAs of the decode kernel per SM
+  int32_t window_left = -1; // >= 0: sliding window; only keys the window can see are planned
 };
 
 struct SplitPolicy {
@@ -54,7 +55,7 @@ struct RequestInfo {
 struct WorkItem {  // one CTA: one request's query rows for one KV head over a token range
   int32_t request;
   int32_t kv_head;
-  int32_t kv_begin;      // tokens [kv_begin, kv_end) of the request's KV
+  int32_t kv_begin;      // tokens [kv_begin, kv_end) of the request's KV (a window starts late)
   int32_t kv_end;
   int32_t partial_slot;  // -1: writes O / LSE directly; else its partial-state slot
   int32_t merge;         // its merge row when split (-1 otherwise)
@@ -138,7 +139,8 @@ class DecodePlanner {
   WorkspaceLayout layout_;
   Plan plan_;
   std::vector<int64_t> keys_;     // (INT32_MAX - kv_len) << 32 | request: longest first
-  std::vector<int64_t> kv_len_;   // per request, this step
+  std::vector<int64_t> kv_len_;   // per request, this step: the keys it reads (its cost)
+  std::vector<int32_t> first_key_;  // per request: its first key the window can see (0 without)
   std::vector<uint8_t> has_query_;  // per request: qo_len > 0 (otherwise no work at all)
 };
 

@@ -62,13 +62,16 @@ void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
     for (int32_t h = 0; h < cap.num_kv_heads; ++h) {
       const auto& list = items[size_t(r) * cap.num_kv_heads + h];
       ASSERT_FALSE(list.empty()) << "request " << r << " head " << h << " has no work";
-      int64_t pos = 0;
+      const int64_t qo_len = b.qo_indptr[r + 1] - b.qo_indptr[r];
+      const int64_t first_key =
+          cap.window_left >= 0 ? std::max<int64_t>(0, kv.row_tokens(r) - qo_len - cap.window_left) : 0;
+      int64_t pos = first_key;
       for (const WorkItem* w : list) {
         EXPECT_EQ(w->kv_begin, pos) << "request " << r << ": chunks must be contiguous";
         EXPECT_GE(w->kv_end, w->kv_begin);
         if (plan.chunk_tokens > 0) {
           EXPECT_LE(w->kv_end - w->kv_begin, plan.chunk_tokens);
-          EXPECT_EQ(w->kv_begin % plan.chunk_tokens, 0);
+          EXPECT_EQ((w->kv_begin - first_key) % plan.chunk_tokens, 0);
         }
         pos = w->kv_end;
       }
@@ -123,6 +126,27 @@ TEST(DecodePlan, FullBatchIsNotSplit) {
   EXPECT_EQ(plan.chunk_tokens, 0);
   EXPECT_TRUE(plan.merges.empty());
   EXPECT_EQ(plan.work.size(), 512u);
+}
+
+TEST(DecodePlan, SlidingWindowPlansOnlyTheVisibleKeys) {
+  PlanCapacity cap = h200_decode(256, 4);
+  cap.window_left = 1000;
+  DecodePlanner planner(cap);
+  // qo_len 2: the first row sees keys from kv_len - 2 - 1000 on; short requests are read whole.
+  Batch b(16, {100000, 700, 1002, 0, 5}, 2);
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  check_plan(plan, b, cap);
+  int64_t read = 0;
+  std::vector<int32_t> first(5, INT32_MAX);
+  for (const WorkItem& w : plan.work) {
+    read += w.kv_end - w.kv_begin;
+    first[w.request] = std::min(first[w.request], w.kv_begin);
+  }
+  EXPECT_EQ(first[0], 100000 - 2 - 1000);
+  EXPECT_EQ(first[1], 0);
+  EXPECT_EQ(first[2], 0);
+  EXPECT_EQ(first[4], 0);
+  EXPECT_EQ(read, (1002 + 700 + 1002 + 0 + 5) * int64_t(cap.num_kv_heads));
 }
 
 TEST(DecodePlan, LongRequestsOfAnOverfilledBatchAreSplitToTheAverageLoad) {

@@ -521,13 +521,19 @@ TEST(GpuDecodeSplit, MultiTokenAndWindowedLongRequests) {
   DecodePlanInfo info;
   run_case(c, 260, &info);
   EXPECT_GT(info.chunk_tokens, 0);
-  c.window_left = 37;
+  // A window of 3000 keys: only the last ~3000 keys are planned (and split into chunks), starting
+  // mid-page; a window of 37 is read by one unsplit item per head.
+  c.window_left = 3000;
   run_case(c, 261, &info);
   EXPECT_GT(info.chunk_tokens, 0);
+  EXPECT_LT(info.num_work_items, 2 * c.kv.num_kv_heads * (3004 / info.chunk_tokens + 2));
+  c.window_left = 37;
+  run_case(c, 262, &info);
+  EXPECT_EQ(info.chunk_tokens, 0) << "41 visible keys per request need no split";
 }
 
-// The same long request inside a batch that fills the GPU on its own: nothing is split, so the
-// long request runs unsplit through one work item.
+// The same long request inside a batch that fills the GPU on its own: only the long request is
+// split (to the average load per CTA slot); the short ones run whole.
 TEST(GpuDecodeSplit, OverfilledBatchSplitsOnlyItsLongRequest) {
   TESSERA_REQUIRE_GPU();
   DecodeCase c;
