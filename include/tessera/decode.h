@@ -20,6 +20,14 @@
 // (sized from the config at construction) and run()'s launches have fixed grids, so a run()
 // captured once replays correctly for any later step, provided plan() is called (outside the
 // graph) before each replay and the tensors given to the captured run() keep their addresses.
+// A replay checks nothing, so once a run() was captured, plan() requires num_pages (every page id
+// is checked) and rejects steps with more query rows, page-table entries or pages than the
+// captured buffers hold.
+//
+// Ordering: plan() and run() of one decoder share its workspace: issue them on one stream (or
+// order the streams). Layers running concurrently need a decoder (and workspace) each.
+// Results are deterministic for a given plan; whether a request is split depends on the rest of
+// the batch and on the GPU, so the same request can differ in the last bits between batches.
 #pragma once
 
 #include <cstddef>

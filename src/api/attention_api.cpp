@@ -17,6 +17,9 @@
 namespace tessera {
 namespace {
 
+// Headroom below 2^31 for the kernels' int32 token arithmetic (tile ends, band edges).
+constexpr int64_t kMaxKVTokens = INT32_MAX - (int64_t(1) << 16);
+
 void check_variant(const detail::ArgCheck& check, int window_left, float scale, float soft_cap) {
   TESSERA_REQUIRE(check, window_left >= -1, "window_left",
                   "must be -1 (no window) or >= 0, got " + std::to_string(window_left));
@@ -229,7 +232,8 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
     const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
     max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
   }
-  TESSERA_REQUIRE(check, max_kv < (int64_t(1) << 31), "kv_indptr", "a request holds more than 2^31 - 1 tokens");
+  TESSERA_REQUIRE(check, max_kv <= kMaxKVTokens, "kv_indptr",
+                  "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
   p.max_qo_len = max_qo;
   p.causal = a.causal;
   p.window_left = a.window_left >= max_kv ? -1 : a.window_left;
@@ -279,6 +283,8 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
     max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
     max_kv = std::max(max_kv, a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]);
   }
+  TESSERA_REQUIRE(check, max_kv <= kMaxKVTokens, "kv_indptr",
+                  "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
   p.max_qo_len = max_qo;
   p.causal = a.causal;
   // A window at least as long as every request's KV excludes nothing: pass it as "no window", which

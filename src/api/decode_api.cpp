@@ -65,6 +65,12 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
   return g;
 }
 
+// Requests hold at most kMaxKVTokens tokens (the kernels' int32 token arithmetic keeps that much
+// headroom below 2^31). A window at least that long excludes no key: it is passed as "none", which
+// also keeps the kernels' band arithmetic (row + kv_len - qo_len - window) far from overflow.
+constexpr int64_t kMaxKVTokens = INT32_MAX - (int64_t(1) << 16);
+int effective_window(int window_left) { return window_left >= kMaxKVTokens ? -1 : window_left; }
+
 plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   plan::PlanCapacity cap;
   cap.max_batch_size = c.max_batch_size;
@@ -74,7 +80,7 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.head_dim = c.head_dim;
   cap.num_sms = g.num_sms;
   cap.ctas_per_sm = g.ctas_per_sm;
-  cap.window_left = c.window_left;
+  cap.window_left = effective_window(c.window_left);
   return cap;
 }
 
@@ -103,6 +109,10 @@ struct BatchDecoder::Impl {
   int64_t total_q = 0;
   int64_t total_pages = 0;
   int64_t checked_num_pages = -1;  // the cache size plan() checked the page ids against, or -1
+  struct CapturedBounds {  // the smallest buffers any captured run() was given
+    bool captured = false;
+    int64_t q_rows = INT64_MAX, kv_indices_len = INT64_MAX, cache_pages = INT64_MAX;
+  } graph;
   DecodePlanInfo info;
 
   Impl(const DecodeConfig& c, const GpuShape& g)
@@ -151,6 +161,11 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
                         int64_t num_pages) {
   const detail::ArgCheck check("BatchDecoder::plan");
   Impl& im = *impl_;
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  TESSERA_REQUIRE(check, capturing == cudaStreamCaptureStatusNone, "stream",
+                  "is being captured into a CUDA graph: call plan() outside the graph, before each "
+                  "replay (it copies the plan from host memory)");
   TESSERA_REQUIRE(check, host_qo_indptr != nullptr, "host_qo_indptr", "is required");
   TESSERA_REQUIRE(check, table.host_indptr != nullptr, "host_indptr", "is required (a host copy of kv_indptr)");
   TESSERA_REQUIRE(check, table.host_indices != nullptr, "host_indices", "is required (a host copy of kv_indices)");
@@ -176,6 +191,22 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
 
   const int64_t total_pages = table.host_indptr[batch];
 
+  // A captured run() replays with the buffers it was captured with and checks nothing: every later
+  // plan must fit them, and its page ids must be checked against the captured cache.
+  if (im.graph.captured) {
+    TESSERA_REQUIRE(check, host_qo_indptr[batch] <= im.graph.q_rows, "qo_indptr",
+                    "the step has " + std::to_string(host_qo_indptr[batch]) +
+                        " query rows but the captured run() was given " +
+                        std::to_string(im.graph.q_rows));
+    TESSERA_REQUIRE(check, table.host_indptr[batch] <= im.graph.kv_indices_len, "kv_indptr",
+                    "the step uses " + std::to_string(table.host_indptr[batch]) +
+                        " page-table entries but the captured run() was given " +
+                        std::to_string(im.graph.kv_indices_len));
+    TESSERA_REQUIRE(check, num_pages >= 0 && num_pages <= im.graph.cache_pages, "num_pages",
+                    "must be given (>= 0) and at most the captured cache's " +
+                        std::to_string(im.graph.cache_pages) +
+                        " pages once run() was captured: a replay follows the page ids unchecked");
+  }
   const plan::Plan& plan = im.planner.plan(bsr, host_qo_indptr);
 
   // The staging buffer may still be read by the previous step's copy.
@@ -239,6 +270,8 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
                   "holds " + std::to_string(cache.num_pages()) + " pages but plan() checked the page ids "
                   "against " + std::to_string(im.checked_num_pages));
   check.index_array(table.indices, "kv_indices");
+  TESSERA_REQUIRE(check, im.total_pages == 0 || cache.num_pages() >= 1, "k_pages",
+                  "holds no pages but the planned page table uses " + std::to_string(im.total_pages));
   TESSERA_REQUIRE(check, table.indices.size(0) >= im.total_pages, "kv_indices",
                   "has " + std::to_string(table.indices.size(0)) + " entries but the plan's page table uses " +
                       std::to_string(im.total_pages));
@@ -309,7 +342,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   p.num_qo_heads = c.num_qo_heads;
   p.num_kv_heads = c.num_kv_heads;
   p.causal = c.causal;
-  p.window_left = c.window_left;
+  p.window_left = effective_window(c.window_left);
   p.scale = c.scale > 0.f ? c.scale : 1.f / std::sqrt(static_cast<float>(c.head_dim));
   p.soft_cap = c.soft_cap;
 
@@ -323,6 +356,13 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   // up, which balances unequal items, and a CTA's start-up overlaps the others' streaming.
   launch.decode_ctas = capture != cudaStreamCaptureStatusNone ? im.planner.max_work_items()
                                                                : im.info.num_work_items;
+  if (capture != cudaStreamCaptureStatusNone) {
+    Impl::CapturedBounds& g = impl_->graph;
+    g.captured = true;
+    g.q_rows = std::min(g.q_rows, q.size(0));
+    g.kv_indices_len = std::min(g.kv_indices_len, table.indices.size(0));
+    g.cache_pages = std::min(g.cache_pages, cache.num_pages());
+  }
   dispatch::launch_decode(c.dtype, c.head_dim, p, launch, stream);
 }
 

@@ -124,8 +124,10 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
                             " (and qo_indptr must be non-decreasing)");
     }
     const int64_t tokens = kv.row_tokens(r);
-    if (tokens > INT32_MAX) {
-      fail("kv_indptr", "request " + std::to_string(r) + " holds more than 2^31 - 1 tokens");
+    // Headroom below 2^31 for the kernels' int32 token arithmetic (tile ends, band edges).
+    if (tokens > INT32_MAX - (int64_t(1) << 16)) {
+      fail("kv_indptr", "request " + std::to_string(r) + " holds " + std::to_string(tokens) +
+                            " tokens; at most 2^31 - 2^16 are supported");
     }
     // A request with no query this step reads nothing: cost 0, no work item. With a sliding
     // window its rows see keys from tokens - qo_len - window_left on (the first row's band; the

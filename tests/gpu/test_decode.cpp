@@ -751,10 +751,14 @@ TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
   };
 
   load_and_plan(0);
+  // The captured run() is given the buffers' full sizes (max rows, every page-table slot): a replay
+  // checks nothing, so plan() checks later steps against what was captured.
+  PageTable captured_table = dkv.table(kvs[0]);
+  captured_table.indices = TensorView::contiguous(dkv.indices.get(), DType::kInt32, {num_pages});
   CapturedGraph graph;
   ASSERT_NO_FATAL_FAILURE(capture(stream, [&] {
-    decoder.run(rows_view(dq, qs[0].rows), cache, dkv.table(kvs[0]), rows_view(o, qs[0].rows),
-                lse_view(qs[0].rows), stream);
+    decoder.run(rows_view(dq, max_rows), cache, captured_table, rows_view(o, max_rows),
+                lse_view(max_rows), stream);
   }, graph));
 
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -778,6 +782,27 @@ TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
         << "graph replay and eager run() differ (chunk_tokens " << info.chunk_tokens << ")";
     check_against(replayed, reference(kvs[i], qs[i], qo_indptrs[i], cfg), "graph replay");
   }
+
+  // Once captured, plan() must check page ids (a replay follows them unchecked) and must not be
+  // called inside a capture.
+  CUDA_OK(cudaStreamSynchronize(stream));
+  try {
+    decoder.plan(qo_indptrs[0].data(), dkv.table(kvs[0]), stream, -1);
+    ADD_FAILURE() << "plan() without num_pages after a capture should be rejected";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("num_pages"));
+  }
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  bool rejected = false;
+  try {
+    decoder.plan(qo_indptrs[0].data(), dkv.table(kvs[0]), stream, num_pages);
+  } catch (const Error& e) {
+    rejected = std::string(e.what()).find("captured") != std::string::npos;
+  }
+  cudaGraph_t discarded = nullptr;
+  CUDA_OK(cudaStreamEndCapture(stream, &discarded));
+  if (discarded != nullptr) cudaGraphDestroy(discarded);
+  EXPECT_TRUE(rejected) << "plan() inside a capture should be rejected";
 }
 
 // ---- 8. Bad input -----------------------------------------------------------------------------------

@@ -199,8 +199,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
     const int rows = req.qo_len * group;
     const int offset = req.kv_len - req.qo_len;  // bottom-right alignment
     const int32_t* pages = p.kv_indices + req.page_begin;
-    const T* k_head = static_cast<const T*>(p.k_pages) + w.kv_head * p.k_stride_head + copy_col;
-    const T* v_head = static_cast<const T*>(p.v_pages) + w.kv_head * p.v_stride_head + copy_col;
+    const T* k_head = static_cast<const T*>(p.k_pages) + int64_t(w.kv_head) * p.k_stride_head + copy_col;
+    const T* v_head = static_cast<const T*>(p.v_pages) + int64_t(w.kv_head) * p.v_stride_head + copy_col;
 
     for (int r0 = 0; r0 < rows; r0 += kRows) {
       // The keys any row of this pass sees, within the item's range.
@@ -461,7 +461,9 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
         __threadfence();
         merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch,
                                                     kStages * Cfg::kStageBytes / 4);
-        if (threadIdx.x == 0) p.merge_counters[w.merge] = 0;  // ready for the next layer's run()
+        // Ready for the next layer's run(): subtract this run's count rather than storing 0, so a
+        // stray extra count (misuse: two runs sharing the workspace concurrently) cannot stick.
+        if (threadIdx.x == 0) atomicSub(p.merge_counters + w.merge, merge.num_slots);
         __syncthreads();  // the scratch is refilled by the next item
       }
     }
