@@ -105,7 +105,6 @@ struct BatchDecoder::Impl {
   bool planned = false;
   int device = 0;
   // What run() checks its arguments against.
-  int32_t batch_size = 0;
   int64_t total_q = 0;
   int64_t total_pages = 0;
   int64_t checked_num_pages = -1;  // the cache size plan() checked the page ids against, or -1
@@ -217,7 +216,6 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
   TESSERA_CUDA_CHECK(cudaEventRecord(im.copied, stream));
 
   im.planned = true;
-  im.batch_size = static_cast<int32_t>(batch);
   im.total_q = host_qo_indptr[batch];
   im.total_pages = total_pages;
   im.checked_num_pages = num_pages;

@@ -188,20 +188,25 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
     const int32_t first = first_key_[r];
     if (len <= chunk) {
-      for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
-        *out++ = {r, h, first, first + len, -1, -1, plan_.requests[r]};
+      WorkItem item{r, 0, first, first + len, -1, -1, plan_.requests[r]};
+      for (int32_t h = 0; h < cap_.num_kv_heads; ++h, ++out) {
+        item.kv_head = h;
+        *out = item;
       }
       continue;
     }
     const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
     const int32_t chunks = static_cast<int32_t>((len + chunk - 1) / chunk);
+    WorkItem item{r, 0, 0, 0, 0, 0, plan_.requests[r]};
     for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
       const int32_t first_slot = plan_.num_slots();
-      for (int32_t c = 0; c < chunks; ++c) {
-        const int32_t begin = first + static_cast<int32_t>(c * chunk);
-        const int32_t end = first + static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk, len));
-        *out++ = {r, h, begin, end, first_slot + c, static_cast<int32_t>(plan_.merges.size()),
-                  plan_.requests[r]};
+      item.kv_head = h;
+      item.merge = static_cast<int32_t>(plan_.merges.size());
+      for (int32_t c = 0; c < chunks; ++c, ++out) {
+        item.kv_begin = first + static_cast<int32_t>(c * chunk);
+        item.kv_end = first + static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk, len));
+        item.partial_slot = first_slot + c;
+        *out = item;
         plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
       }
       plan_.merges.push_back({r, h, first_slot, chunks});
