@@ -55,6 +55,39 @@ void print_record(const char* suite, const std::string& name, double tbs, double
               "\"time_us\": %.3f%s}\n", suite, name.c_str(), tbs, us, extra.c_str());
 }
 
+// A contiguous paged cache's views over two page buffers.
+PagedKVCache paged_cache(void* k, void* v, DType dtype, KVLayout layout, int64_t num_pages,
+                         int64_t page_size, int64_t heads, int64_t head_dim) {
+  const bool nhd = layout == KVLayout::kNHD;
+  const int64_t d1 = nhd ? page_size : heads, d2 = nhd ? heads : page_size;
+  PagedKVCache cache;
+  cache.layout = layout;
+  cache.k_pages = TensorView::contiguous(k, dtype, {num_pages, d1, d2, head_dim});
+  cache.v_pages = TensorView::contiguous(v, dtype, {num_pages, d1, d2, head_dim});
+  return cache;
+}
+
+// A page table uploaded to the device, and its PageTable with the host copies (the vectors must
+// outlive it).
+struct DevicePageTable {
+  Buffer indptr, ids, last;
+  PageTable table;
+  DevicePageTable(const std::vector<int32_t>& h_indptr, const std::vector<int32_t>& h_ids,
+                  const std::vector<int32_t>& h_last)
+      : indptr(h_indptr.size() * 4), ids(h_ids.size() * 4), last(h_last.size() * 4) {
+    cuda_ok(cudaMemcpy(indptr.get(), h_indptr.data(), h_indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+    cuda_ok(cudaMemcpy(ids.get(), h_ids.data(), h_ids.size() * 4, cudaMemcpyHostToDevice), "upload");
+    cuda_ok(cudaMemcpy(last.get(), h_last.data(), h_last.size() * 4, cudaMemcpyHostToDevice), "upload");
+    const int64_t batch = static_cast<int64_t>(h_last.size());
+    table.indptr = TensorView::contiguous(indptr.get(), DType::kInt32, {batch + 1});
+    table.indices = TensorView::contiguous(ids.get(), DType::kInt32, {int64_t(h_ids.size())});
+    table.last_page_len = TensorView::contiguous(last.get(), DType::kInt32, {batch});
+    table.host_indptr = h_indptr.data();
+    table.host_indices = h_ids.data();
+    table.host_last_page_len = h_last.data();
+  }
+};
+
 // append: each request appends append_len tokens after an existing history of the same length;
 // bytes = K and V rows read once and written once.
 int bench_append(const Args& a) {
@@ -95,11 +128,7 @@ int bench_append(const Args& a) {
     cuda_ok(cudaMemcpy(idx.back()->get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
     host_ids.push_back(std::move(ids));
   }
-  PagedKVCache cache;
-  cache.layout = layout;
-  const int64_t d1 = layout == KVLayout::kNHD ? P : H, d2 = layout == KVLayout::kNHD ? H : P;
-  cache.k_pages = TensorView::contiguous(kp.get(), DType::kBF16, {num_pages, d1, d2, D});
-  cache.v_pages = TensorView::contiguous(vp.get(), DType::kBF16, {num_pages, d1, d2, D});
+  const PagedKVCache cache = paged_cache(kp.get(), vp.get(), DType::kBF16, layout, num_pages, P, H, D);
   const TensorView append = TensorView::contiguous(d_app.get(), DType::kInt32, {batch + 1});
   const double ms = median_ms([&](int i) {
     const int r = i % rot;
@@ -334,17 +363,8 @@ int bench_decode(const Args& a) {
     fill_random(st.q->get(), q_bytes, 10 * r + 3, false);
     sets.push_back(std::move(st));
   }
-  Buffer d_indptr(indptr.size() * 4), d_ids(ids.size() * 4), d_last(last.size() * 4);
-  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
-  cuda_ok(cudaMemcpy(d_ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
-  cuda_ok(cudaMemcpy(d_last.get(), last.data(), last.size() * 4, cudaMemcpyHostToDevice), "upload");
-  PageTable table;
-  table.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
-  table.indices = TensorView::contiguous(d_ids.get(), DType::kInt32, {num_pages});
-  table.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
-  table.host_indptr = indptr.data();
-  table.host_indices = ids.data();
-  table.host_last_page_len = last.data();
+  const DevicePageTable device_table(indptr, ids, last);
+  const PageTable& table = device_table.table;
 
   DecodeConfig cfg;
   cfg.num_qo_heads = qh;
@@ -383,13 +403,9 @@ int bench_decode(const Args& a) {
   cuda_ok(cudaDeviceSynchronize(), "plan");
   const DecodePlanInfo info = decoder.last_plan();
 
-  const int64_t d1 = layout == KVLayout::kNHD ? P : kh, d2 = layout == KVLayout::kNHD ? kh : P;
   const double ms = median_ms([&](int i) {
     const Set& st = sets[i % rot];
-    PagedKVCache cache;
-    cache.layout = layout;
-    cache.k_pages = TensorView::contiguous(st.k->get(), dtype, {num_pages, d1, d2, D});
-    cache.v_pages = TensorView::contiguous(st.v->get(), dtype, {num_pages, d1, d2, D});
+    const PagedKVCache cache = paged_cache(st.k->get(), st.v->get(), dtype, layout, num_pages, P, kh, D);
     decoder.run(TensorView::contiguous(st.q->get(), dtype, {batch, qh, D}), cache, table,
                 TensorView::contiguous(st.o->get(), dtype, {batch, qh, D}),
                 TensorView::contiguous(st.lse->get(), DType::kFP32, {batch, qh}), nullptr);
@@ -422,27 +438,14 @@ int bench_prefill_paged(const Args& a) {
   std::vector<int32_t> ids(num_pages), indptr(batch + 1), last(batch);
   for (int i = 0; i < num_pages; ++i) ids[i] = i;
   SplitMix64 rng{7};
-  for (size_t i = ids.size(); i-- > 1;) std::swap(ids[i], ids[rng.next() % (i + 1)]);
+  shuffle(ids, rng);
   for (int r = 0; r <= batch; ++r) indptr[r] = r * pages_per_req;
   for (int r = 0; r < batch; ++r) last[r] = seq - (pages_per_req - 1) * P;
-  Buffer d_ids(ids.size() * 4), d_indptr(indptr.size() * 4), d_last(last.size() * 4);
-  cuda_ok(cudaMemcpy(d_ids.get(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), "upload");
-  cuda_ok(cudaMemcpy(d_indptr.get(), indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
-  cuda_ok(cudaMemcpy(d_last.get(), last.data(), last.size() * 4, cudaMemcpyHostToDevice), "upload");
+  const DevicePageTable device_table(indptr, ids, last);
+  const PageTable& table = device_table.table;
   const size_t page_bytes = size_t(P) * kh * d * 2;
   Buffer kp(num_pages * page_bytes), vp(num_pages * page_bytes);
-  PagedKVCache cache;
-  cache.layout = layout;
-  const int64_t d1 = layout == KVLayout::kNHD ? P : kh, d2 = layout == KVLayout::kNHD ? kh : P;
-  cache.k_pages = TensorView::contiguous(kp.get(), DType::kBF16, {num_pages, d1, d2, d});
-  cache.v_pages = TensorView::contiguous(vp.get(), DType::kBF16, {num_pages, d1, d2, d});
-  PageTable table;
-  table.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
-  table.indices = TensorView::contiguous(d_ids.get(), DType::kInt32, {num_pages});
-  table.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
-  table.host_indptr = indptr.data();
-  table.host_indices = ids.data();
-  table.host_last_page_len = last.data();
+  const PagedKVCache cache = paged_cache(kp.get(), vp.get(), DType::kBF16, layout, num_pages, P, kh, d);
   append_paged_kv(cache, table, prob.args.kv_indptr, prob.args.k, prob.args.v, nullptr,
                   prob.indptr.data());
 

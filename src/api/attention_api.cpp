@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/arg_check.h"
+#include "api/attention_checks.h"
 #include "core/fast_divisor.h"
 #include "format/bsr.h"
 #include "dispatch/prefill_dispatch.h"
@@ -17,51 +18,10 @@
 namespace tessera {
 namespace {
 
-// Headroom below 2^31 for the kernels' int32 token arithmetic (tile ends, band edges).
-constexpr int64_t kMaxKVTokens = INT32_MAX - (int64_t(1) << 16);
-
-void check_variant(const detail::ArgCheck& check, int window_left, float scale, float soft_cap) {
-  TESSERA_REQUIRE(check, window_left >= -1, "window_left",
-                  "must be -1 (no window) or >= 0, got " + std::to_string(window_left));
-  TESSERA_REQUIRE(check, std::isfinite(scale) && scale >= 0.f, "scale",
-                  "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  TESSERA_REQUIRE(check, std::isfinite(soft_cap) && soft_cap >= 0.f, "soft_cap",
-                  "must be finite and >= 0 (0 means no soft-cap)");
-}
-
-// q / o / lse of a prefill: shapes, dtypes, layouts, and no overlap with `inputs`.
-void check_queries_and_outputs(const detail::ArgCheck& check, const TensorView& q,
-                               const TensorView& o, const TensorView& lse,
-                               std::initializer_list<std::pair<const TensorView*, const char*>> inputs) {
-  check.tensor(q, "q", 3);
-  check.tensor(o, "o", 3);
-  check.dtype(q, "q", {DType::kBF16, DType::kFP16});
-  check.dtype(o, "o", {q.dtype});
-  check.same_shape(q, "q", o, "o");
-  check.vectorizable_rows(q, "q");
-  check.vectorizable_rows(o, "o");
-  if (!lse.empty_view()) {
-    check.tensor(lse, "lse", 2);
-    check.dtype(lse, "lse", {DType::kFP32});
-    TESSERA_REQUIRE(check, lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
-                    "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
-                        std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
-    check.output_layout(lse, "lse");
-    check.disjoint(lse, "lse", o, "o");
-  }
-  check.output_layout(o, "o");
-  check.disjoint(o, "o", q, "q");
-  if (!lse.empty_view()) check.disjoint(lse, "lse", q, "q");
-  for (auto [in, name] : inputs) {
-    check.disjoint(o, "o", *in, name);
-    if (!lse.empty_view()) check.disjoint(lse, "lse", *in, name);
-  }
-}
-
 void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   check.tensor(a.k, "k", 3);
   check.tensor(a.v, "v", 3);
-  check_queries_and_outputs(check, a.q, a.o, a.lse, {{&a.k, "k"}, {&a.v, "v"}});
+  detail::check_queries_and_outputs(check, a.q, a.o, a.lse, {{&a.k, "k"}, {&a.v, "v"}});
   check.dtype(a.k, "k", {a.q.dtype});
   check.dtype(a.v, "v", {a.q.dtype});
   check.same_shape(a.k, "k", a.v, "v");
@@ -82,7 +42,7 @@ void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   const int64_t n = a.qo_indptr.size(0);
   check.indptr_host(a.host_qo_indptr, n, "qo_indptr", a.q.size(0), /*exact_end=*/false);
   check.indptr_host(a.host_kv_indptr, n, "kv_indptr", a.k.size(0), /*exact_end=*/false);
-  check_variant(check, a.window_left, a.scale, a.soft_cap);
+  detail::check_variant(check, a.window_left, a.scale, a.soft_cap);
   TESSERA_REQUIRE(check, a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
   TESSERA_REQUIRE(check, a.k.size(0) < (int64_t(1) << 31), "k", "more than 2^31 - 1 rows");
   // The launch grid is (query tiles, requests, heads); CUDA caps the last two at 65535.
@@ -128,7 +88,7 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   const PagedKVCache& c = a.cache;
   check.tensor(c.k_pages, "k_pages", 4);
   check.tensor(c.v_pages, "v_pages", 4);
-  check_queries_and_outputs(check, a.q, a.o, a.lse, {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}});
+  detail::check_queries_and_outputs(check, a.q, a.o, a.lse, {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}});
   check.dtype(c.k_pages, "k_pages", {a.q.dtype});
   check.dtype(c.v_pages, "v_pages", {a.q.dtype});
   check.same_shape(c.k_pages, "k_pages", c.v_pages, "v_pages");
@@ -139,15 +99,9 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
                       std::to_string(a.q.size(2)));
   check.head_config(a.q.size(1), c.num_kv_heads(), a.q.size(2), dispatch::compiled_prefill_head_dims());
   TESSERA_REQUIRE(check, c.page_size() >= 1, "k_pages", "page_size must be at least 1");
-  for (const TensorView* t : {&c.k_pages, &c.v_pages}) {
-    for (int d = 0; d < 3; ++d) {
-      TESSERA_REQUIRE(check, t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
-                      t == &c.k_pages ? "k_pages" : "v_pages",
-                      "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
-                          " must be in 0..2^31 - 1");
-    }
-  }
-  check_variant(check, a.window_left, a.scale, a.soft_cap);
+  check.page_strides_32bit(c.k_pages, "k_pages");
+  check.page_strides_32bit(c.v_pages, "v_pages");
+  detail::check_variant(check, a.window_left, a.scale, a.soft_cap);
 
   check.index_array(a.qo_indptr, "qo_indptr");
   check.index_array(a.table.indptr, "kv_indptr");
@@ -172,9 +126,8 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
                                                a.table.host_last_page_len);
   const std::string bad = format::check_bsr(bsr, c.num_pages());
   if (!bad.empty()) {
-    const auto colon = bad.find(':');
-    const bool named = colon != std::string::npos && bad.compare(0, 3, "kv_") == 0;
-    check.fail(named ? bad.substr(0, colon).c_str() : "kv_indptr", named ? bad.substr(colon + 2) : bad);
+    const format::BsrError e = format::split_bsr_error(bad);
+    check.fail(e.array.c_str(), e.rule);
   }
   TESSERA_REQUIRE(check, a.q.size(0) < (int64_t(1) << 31), "q", "more than 2^31 - 1 rows");
   TESSERA_REQUIRE(check, n - 1 <= 65535, "qo_indptr", "batch size " + std::to_string(n - 1) + " exceeds 65535 requests");
@@ -183,25 +136,74 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
 
 }  // namespace
 
+namespace {
+
+// The family for (path, dtype, head_dim) on the current GPU, or an error naming `entry_point`.
+AttentionPath choose_path(const char* entry_point, AttentionPath requested, DType dtype, int head_dim) {
+  const CurrentGpu gpu = current_gpu(entry_point);
+  const auto c = dispatch::choose_prefill(requested, gpu.cc_major, gpu.cc_minor, dtype, head_dim);
+  if (!c.ok) throw Error(std::string("tessera::") + entry_point + ": argument 'path': " + c.why_not);
+  return c.path;
+}
+
+// What both prefill entry points fill the same way: queries, outputs, LSE, qo_indptr, head counts,
+// the launch size and the variant. `max_kv` is the longest request's KV (host copies), checked
+// against the kernels' token limit.
+kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const TensorView& q,
+                                         const TensorView& o, const TensorView& lse,
+                                         const TensorView& qo_indptr, const int32_t* host_qo_indptr,
+                                         int num_kv_heads, int64_t max_kv, bool causal,
+                                         int window_left, float scale, float soft_cap) {
+  kernels::PrefillParams p;
+  p.q = q.data;
+  p.o = o.data;
+  p.q_stride_row = q.stride[0];
+  p.q_stride_head = q.stride[1];
+  p.o_stride_row = o.stride[0];
+  p.o_stride_head = o.stride[1];
+  if (!lse.empty_view()) {
+    p.lse = static_cast<float*>(lse.data);
+    p.lse_stride_row = lse.stride[0];
+    p.lse_stride_head = lse.stride[1];
+  }
+  p.qo_indptr = static_cast<const int32_t*>(qo_indptr.data);
+  p.batch_size = static_cast<int>(qo_indptr.size(0) - 1);
+  p.num_qo_heads = static_cast<int>(q.size(1));
+  p.num_kv_heads = num_kv_heads;
+  int max_qo = 0;
+  for (int i = 0; i < p.batch_size; ++i) max_qo = std::max(max_qo, host_qo_indptr[i + 1] - host_qo_indptr[i]);
+  TESSERA_REQUIRE(check, max_kv <= format::kMaxRowTokens, "kv_indptr",
+                  "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
+  p.max_qo_len = max_qo;
+  p.causal = causal;
+  // A window at least as long as every request's KV excludes nothing: pass it as "no window", which
+  // also keeps the kernel's int32 band arithmetic (row + offset - window) far from overflow.
+  p.window_left = window_left >= max_kv ? -1 : window_left;
+  p.scale = scale > 0.f ? scale : 1.f / std::sqrt(static_cast<float>(q.size(2)));
+  p.soft_cap = soft_cap;
+  return p;
+}
+
+}  // namespace
+
 void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill_paged");
   validate_paged(check, a);
-  const CurrentGpu gpu = current_gpu("batch_prefill_paged");
-  const auto choice = dispatch::choose_prefill(a.path, gpu.cc_major, gpu.cc_minor, a.q.dtype,
-                                               static_cast<int>(a.q.size(2)));
-  if (!choice.ok) throw Error("tessera::batch_prefill_paged: argument 'path': " + choice.why_not);
+  choose_path("batch_prefill_paged", a.path, a.q.dtype, static_cast<int>(a.q.size(2)));
 
   const PagedKVCache& c = a.cache;
+  int64_t max_kv = 0;
+  for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
+    const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
+    max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
+  }
+  kernels::PrefillParams p =
+      query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, a.host_qo_indptr,
+                        static_cast<int>(c.num_kv_heads()), max_kv, a.causal, a.window_left,
+                        a.scale, a.soft_cap);
   const bool nhd = c.layout == KVLayout::kNHD;
-  kernels::PrefillParams p;
-  p.q = a.q.data;
   p.k = c.k_pages.data;
   p.v = c.v_pages.data;
-  p.o = a.o.data;
-  p.q_stride_row = a.q.stride[0];
-  p.q_stride_head = a.q.stride[1];
-  p.o_stride_row = a.o.stride[0];
-  p.o_stride_head = a.o.stride[1];
   p.k_stride_head = c.k_pages.stride[nhd ? 2 : 1];
   p.v_stride_head = c.v_pages.stride[nhd ? 2 : 1];
   p.paged = true;
@@ -215,84 +217,34 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   p.page_shift = div.shift;
   p.kv_indices = static_cast<const int32_t*>(a.table.indices.data);
   p.kv_last_page_len = static_cast<const int32_t*>(a.table.last_page_len.data);
-  if (!a.lse.empty_view()) {
-    p.lse = static_cast<float*>(a.lse.data);
-    p.lse_stride_row = a.lse.stride[0];
-    p.lse_stride_head = a.lse.stride[1];
-  }
-  p.qo_indptr = static_cast<const int32_t*>(a.qo_indptr.data);
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
-  p.batch_size = static_cast<int>(a.qo_indptr.size(0) - 1);
-  p.num_qo_heads = static_cast<int>(a.q.size(1));
-  p.num_kv_heads = static_cast<int>(c.num_kv_heads());
-  int max_qo = 0;
-  int64_t max_kv = 0;
-  for (int i = 0; i < p.batch_size; ++i) {
-    max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
-    const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
-    max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
-  }
-  TESSERA_REQUIRE(check, max_kv <= kMaxKVTokens, "kv_indptr",
-                  "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
-  p.max_qo_len = max_qo;
-  p.causal = a.causal;
-  p.window_left = a.window_left >= max_kv ? -1 : a.window_left;
-  p.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(static_cast<float>(a.q.size(2)));
-  p.soft_cap = a.soft_cap;
   kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(a.q.size(2)), p, stream);
 }
 
 AttentionPath choose_prefill_path(const PrefillArgs& args) {
-  const CurrentGpu gpu = current_gpu("batch_prefill");
-  const auto c = dispatch::choose_prefill(args.path, gpu.cc_major, gpu.cc_minor, args.q.dtype,
-                                          static_cast<int>(args.q.size(2)));
-  if (!c.ok) throw Error("tessera::batch_prefill: argument 'path': " + c.why_not);
-  return c.path;
+  return choose_path("batch_prefill", args.path, args.q.dtype, static_cast<int>(args.q.size(2)));
 }
 
 void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill");
   validate(check, a);
-  const AttentionPath path = choose_prefill_path(a);
+  choose_prefill_path(a);  // only the portable family exists so far: the choice only checks
 
-  kernels::PrefillParams p;
-  p.q = a.q.data;
+  int64_t max_kv = 0;
+  for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
+    max_kv = std::max<int64_t>(max_kv, a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]);
+  }
+  kernels::PrefillParams p =
+      query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, a.host_qo_indptr,
+                        static_cast<int>(a.k.size(1)), max_kv, a.causal, a.window_left, a.scale,
+                        a.soft_cap);
   p.k = a.k.data;
   p.v = a.v.data;
-  p.o = a.o.data;
-  p.q_stride_row = a.q.stride[0];
-  p.q_stride_head = a.q.stride[1];
   p.k_stride_row = a.k.stride[0];
   p.k_stride_head = a.k.stride[1];
   p.v_stride_row = a.v.stride[0];
   p.v_stride_head = a.v.stride[1];
-  p.o_stride_row = a.o.stride[0];
-  p.o_stride_head = a.o.stride[1];
-  if (!a.lse.empty_view()) {
-    p.lse = static_cast<float*>(a.lse.data);
-    p.lse_stride_row = a.lse.stride[0];
-    p.lse_stride_head = a.lse.stride[1];
-  }
-  p.qo_indptr = static_cast<const int32_t*>(a.qo_indptr.data);
   p.kv_indptr = static_cast<const int32_t*>(a.kv_indptr.data);
-  p.batch_size = static_cast<int>(a.qo_indptr.size(0) - 1);
-  p.num_qo_heads = static_cast<int>(a.q.size(1));
-  p.num_kv_heads = static_cast<int>(a.k.size(1));
-  int max_qo = 0, max_kv = 0;
-  for (int i = 0; i < p.batch_size; ++i) {
-    max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
-    max_kv = std::max(max_kv, a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]);
-  }
-  TESSERA_REQUIRE(check, max_kv <= kMaxKVTokens, "kv_indptr",
-                  "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
-  p.max_qo_len = max_qo;
-  p.causal = a.causal;
-  // A window at least as long as every request's KV excludes nothing: pass it as "no window", which
-  // also keeps the kernel's int32 band arithmetic (row + offset - window) far from overflow.
-  p.window_left = a.window_left >= max_kv ? -1 : a.window_left;
-  p.scale = a.scale > 0.f ? a.scale : 1.f / std::sqrt(static_cast<float>(a.q.size(2)));
-  p.soft_cap = a.soft_cap;
-  (void)path;  // only the portable family exists so far
   kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(a.q.size(2)), p, stream);
 }
 

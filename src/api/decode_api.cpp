@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "api/attention_checks.h"
 #include "core/arg_check.h"
 #include "core/cuda_check.h"
 #include "core/fast_divisor.h"
@@ -39,12 +40,7 @@ void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
                   "must be >= 1, got " + std::to_string(c.max_batch_size));
   TESSERA_REQUIRE(check, c.max_qo_len >= 1 && c.max_qo_len <= kMaxQoLen, "max_qo_len",
                   "must be in 1.." + std::to_string(kMaxQoLen) + ", got " + std::to_string(c.max_qo_len));
-  TESSERA_REQUIRE(check, c.window_left >= -1, "window_left",
-                  "must be -1 (no window) or >= 0, got " + std::to_string(c.window_left));
-  TESSERA_REQUIRE(check, std::isfinite(c.scale) && c.scale >= 0.f, "scale",
-                  "must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  TESSERA_REQUIRE(check, std::isfinite(c.soft_cap) && c.soft_cap >= 0.f, "soft_cap",
-                  "must be finite and >= 0 (0 means no soft-cap)");
+  detail::check_variant(check, c.window_left, c.scale, c.soft_cap);
 }
 
 struct GpuShape {
@@ -65,11 +61,12 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
   return g;
 }
 
-// Requests hold at most kMaxKVTokens tokens (the kernels' int32 token arithmetic keeps that much
-// headroom below 2^31). A window at least that long excludes no key: it is passed as "none", which
-// also keeps the kernels' band arithmetic (row + kv_len - qo_len - window) far from overflow.
-constexpr int64_t kMaxKVTokens = INT32_MAX - (int64_t(1) << 16);
-int effective_window(int window_left) { return window_left >= kMaxKVTokens ? -1 : window_left; }
+// Requests hold at most format::kMaxRowTokens tokens. A window at least that long excludes no key:
+// it is passed as "none", which also keeps the kernels' band arithmetic (row + kv_len - qo_len -
+// window) far from overflow.
+int effective_window(int window_left) {
+  return window_left >= format::kMaxRowTokens ? -1 : window_left;
+}
 
 plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   plan::PlanCapacity cap;
@@ -181,10 +178,8 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
                                                table.host_last_page_len);
   const std::string bad = format::check_bsr(bsr, num_pages);
   if (!bad.empty()) {
-    const auto colon = bad.find(':');
-    const bool named = colon != std::string::npos && bad.compare(0, 3, "kv_") == 0;
-    check.fail(named ? bad.substr(0, colon).c_str() : "kv_indptr",
-               named ? bad.substr(colon + 2) : bad);
+    const format::BsrError e = format::split_bsr_error(bad);
+    check.fail(e.array.c_str(), e.rule);
   }
   check.indptr_host(host_qo_indptr, batch + 1, "qo_indptr", INT32_MAX, /*exact_end=*/false);
 
@@ -242,14 +237,14 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   TESSERA_REQUIRE(check, q.size(0) >= im.total_q, "q",
                   "has " + std::to_string(q.size(0)) + " rows but the plan's qo_indptr ends at " +
                       std::to_string(im.total_q));
-  check.vectorizable_rows(q, "q");
-  check.vectorizable_rows(o, "o");
 
   check.tensor(cache.k_pages, "k_pages", 4);
   check.tensor(cache.v_pages, "v_pages", 4);
   check.dtype(cache.k_pages, "k_pages", {c.dtype});
   check.dtype(cache.v_pages, "v_pages", {c.dtype});
   check.same_shape(cache.k_pages, "k_pages", cache.v_pages, "v_pages");
+  check.page_strides_32bit(cache.k_pages, "k_pages");
+  check.page_strides_32bit(cache.v_pages, "v_pages");
   TESSERA_REQUIRE(check, cache.layout == c.layout, "cache",
                   std::string("layout ") + kv_layout_name(cache.layout) +
                       " differs from the config's " + kv_layout_name(c.layout));
@@ -274,20 +269,8 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
                   "has " + std::to_string(table.indices.size(0)) + " entries but the plan's page table uses " +
                       std::to_string(im.total_pages));
 
-  if (!lse.empty_view()) {
-    check.tensor(lse, "lse", 2);
-    check.dtype(lse, "lse", {DType::kFP32});
-    TESSERA_REQUIRE(check, lse.size(0) == q.size(0) && lse.size(1) == q.size(1), "lse",
-                    "shape " + detail::shape_string(lse) + " must be [total_q, num_qo_heads] = [" +
-                        std::to_string(q.size(0)) + ", " + std::to_string(q.size(1)) + "]");
-    check.output_layout(lse, "lse");
-    check.disjoint(lse, "lse", o, "o");
-  }
-  check.output_layout(o, "o");
-  for (auto [in, name] : {std::pair{&q, "q"}, {&cache.k_pages, "k_pages"}, {&cache.v_pages, "v_pages"}}) {
-    check.disjoint(o, "o", *in, name);
-    if (!lse.empty_view()) check.disjoint(lse, "lse", *in, name);
-  }
+  detail::check_queries_and_outputs(check, q, o, lse,
+                                    {{&cache.k_pages, "k_pages"}, {&cache.v_pages, "v_pages"}});
   int device = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
   TESSERA_REQUIRE(check, device == im.device, "stream",
@@ -306,14 +289,6 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
     p.lse = static_cast<float*>(lse.data);
     p.lse_stride_row = lse.stride[0];
     p.lse_stride_head = lse.stride[1];
-  }
-  for (const TensorView* t : {&cache.k_pages, &cache.v_pages}) {
-    for (int d = 0; d < 3; ++d) {
-      TESSERA_REQUIRE(check, t->stride[d] >= 0 && t->stride[d] < (int64_t(1) << 31),
-                      t == &cache.k_pages ? "k_pages" : "v_pages",
-                      "stride " + std::to_string(t->stride[d]) + " of dim " + std::to_string(d) +
-                          " must be in 0..2^31 - 1 (one page must span less than 2^31 elements)");
-    }
   }
   const bool nhd = cache.layout == KVLayout::kNHD;
   p.k_pages = cache.k_pages.data;

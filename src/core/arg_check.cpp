@@ -150,6 +150,14 @@ void ArgCheck::head_config(int64_t num_qo_heads, int64_t num_kv_heads, int64_t h
                        std::to_string(head_dim));
 }
 
+void ArgCheck::page_strides_32bit(const TensorView& t, const char* arg) const {
+  for (int d = 0; d < 3; ++d) {
+    TESSERA_REQUIRE(*this, t.stride[d] >= 0 && t.stride[d] < (int64_t(1) << 31), arg,
+                    "stride " + std::to_string(t.stride[d]) + " of dim " + std::to_string(d) +
+                        " must be in 0..2^31 - 1");
+  }
+}
+
 void ArgCheck::indptr_host(const int32_t* indptr, int64_t count, const char* arg,
                            int64_t max_end, bool exact_end) const {
   if (count <= 0) return;

@@ -47,6 +47,9 @@ class ArgCheck {
   // `out` and `in` occupy disjoint byte ranges (checked on their spans, conservatively).
   void disjoint(const TensorView& out, const char* out_name, const TensorView& in,
                 const char* in_name) const;
+  // The strides of dims 0..2 of a 4-D page tensor fit in int32 (the kernels' per-row address
+  // math uses 32-bit strides and 64-bit products).
+  void page_strides_32bit(const TensorView& t, const char* arg) const;
   // A 1-D int32 index array with stride 1.
   void index_array(const TensorView& t, const char* arg) const;
 

@@ -31,4 +31,12 @@ std::string check_bsr(const BsrLayout& b, int64_t num_blocks) {
   return {};
 }
 
+BsrError split_bsr_error(const std::string& message) {
+  const auto colon = message.find(": ");
+  if (colon != std::string::npos && message.compare(0, 3, "kv_") == 0) {
+    return {message.substr(0, colon), message.substr(colon + 2)};
+  }
+  return {"kv_indptr", message};
+}
+
 }  // namespace tessera::format

@@ -6,6 +6,7 @@
 // blocks. Pure C++, host memory only.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -45,5 +46,18 @@ inline BsrLayout bsr_from_page_table(int32_t page_size, int32_t batch_size,
 // which rule (for tessera::Error messages). num_blocks: the blocks (pages) the cache holds, or -1
 // when block ids are not to be range-checked.
 std::string check_bsr(const BsrLayout& b, int64_t num_blocks);
+
+// A check_bsr() message split for an argument error: the page-table array it names
+// ("kv_indices: page id ..." -> "kv_indices") and the rule after it; messages that name no array
+// are charged to "kv_indptr" whole.
+struct BsrError {
+  std::string array;
+  std::string rule;
+};
+BsrError split_bsr_error(const std::string& message);
+
+// The most KV tokens one row (request) may hold: the kernels' int32 token arithmetic (tile ends,
+// band edges) keeps this much headroom below 2^31.
+constexpr int64_t kMaxRowTokens = INT32_MAX - (int64_t(1) << 16);
 
 }  // namespace tessera::format

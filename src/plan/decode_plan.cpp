@@ -124,8 +124,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
                             " (and qo_indptr must be non-decreasing)");
     }
     const int64_t tokens = kv.row_tokens(r);
-    // Headroom below 2^31 for the kernels' int32 token arithmetic (tile ends, band edges).
-    if (tokens > INT32_MAX - (int64_t(1) << 16)) {
+    if (tokens > format::kMaxRowTokens) {
       fail("kv_indptr", "request " + std::to_string(r) + " holds " + std::to_string(tokens) +
                             " tokens; at most 2^31 - 2^16 are supported");
     }

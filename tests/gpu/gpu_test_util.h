@@ -171,4 +171,20 @@ inline void expect_within_rule(const std::vector<float>& got, const std::vector<
                             << "), allowed 2 x " << naive_max_err << " + " << abs_floor;
 }
 
+class Stream {  // a non-blocking stream, destroyed on scope exit
+ public:
+  Stream() {
+    if (cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking) != cudaSuccess) {
+      throw std::runtime_error("cudaStreamCreateWithFlags failed");
+    }
+  }
+  ~Stream() { cudaStreamDestroy(s_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  operator cudaStream_t() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 }  // namespace tessera::testing
