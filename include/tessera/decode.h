@@ -54,6 +54,10 @@ struct DecodeConfig {
   int window_left = -1;       // >= 0: sliding window (keys j >= i + kv_len - qo_len - window_left)
   float scale = 0.f;          // 0: 1 / sqrt(head_dim)
   float soft_cap = 0.f;       // > 0: logits = soft_cap * tanh(scale * q.k / soft_cap)
+  // K/V pipeline stages of the decode kernel. 0 (default): 3 where the GPU's shared memory per
+  // block allows it (A100, H100/H200), else 2 (sm_86/sm_89: 99 KB). 2 or 3 forces that count
+  // (tests, ablation); a count this GPU cannot hold is an error.
+  int pipeline_stages = 0;
 };
 
 // What the last plan() decided (for logging and benchmarks).

@@ -41,10 +41,13 @@ void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
   TESSERA_REQUIRE(check, c.max_qo_len >= 1 && c.max_qo_len <= kMaxQoLen, "max_qo_len",
                   "must be in 1.." + std::to_string(kMaxQoLen) + ", got " + std::to_string(c.max_qo_len));
   detail::check_variant(check, c.window_left, c.scale, c.soft_cap);
+  TESSERA_REQUIRE(check, c.pipeline_stages == 0 || c.pipeline_stages == 2 || c.pipeline_stages == 3,
+                  "pipeline_stages", "must be 0 (automatic), 2 or 3, got " + std::to_string(c.pipeline_stages));
 }
 
 struct GpuShape {
   int num_sms = 0;
+  int stages = 3;  // the decode kernel's K/V pipeline stages on this GPU
   int ctas_per_sm = 0;
 };
 
@@ -53,7 +56,8 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
   GpuShape g;
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&g.num_sms, cudaDevAttrMultiProcessorCount, device));
-  g.ctas_per_sm = dispatch::decode_ctas_per_sm(c.dtype, c.head_dim);
+  g.stages = dispatch::decode_stages(c.head_dim, c.pipeline_stages);
+  g.ctas_per_sm = dispatch::decode_ctas_per_sm(c.dtype, c.head_dim, g.stages);
   if (g.ctas_per_sm < 1) {
     throw Error("tessera::BatchDecoder: the decode kernel cannot be resident on this GPU "
                 "(occupancy 0 for its shared memory and registers)");
@@ -329,6 +333,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   // up, which balances unequal items, and a CTA's start-up overlaps the others' streaming.
   launch.decode_ctas = capture != cudaStreamCaptureStatusNone ? im.planner.max_work_items()
                                                                : im.info.num_work_items;
+  launch.stages = im.gpu.stages;
   if (capture != cudaStreamCaptureStatusNone) {
     Impl::CapturedBounds& g = impl_->graph;
     g.captured = true;

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "core/cuda_check.h"
 #include "dispatch/prefill_dispatch.h"
 #include "tessera/error.h"
 #include "tessera_instantiations.h"
@@ -12,7 +13,8 @@ namespace kernels {
 #define TESSERA_DECLARE_DECODE(HD)                                                           \
   void launch_decode_sm80_hd##HD(DType dtype, const DecodeParams& p, const DecodeLaunch& l,  \
                                  cudaStream_t stream);                                       \
-  int decode_sm80_ctas_per_sm_hd##HD(DType dtype);
+  int decode_sm80_ctas_per_sm_hd##HD(DType dtype, int stages);                               \
+  int decode_sm80_smem_bytes_hd##HD(int stages);
 #if TESSERA_INST_HD64
 TESSERA_DECLARE_DECODE(64)
 #endif
@@ -60,20 +62,59 @@ void launch_decode(DType dtype, int head_dim, const kernels::DecodeParams& param
   }
 }
 
-int decode_ctas_per_sm(DType dtype, int head_dim) {
+int decode_ctas_per_sm(DType dtype, int head_dim, int stages) {
   if (!decode_compiled(dtype, head_dim)) not_compiled(dtype, head_dim);
   switch (head_dim) {
 #if TESSERA_INST_HD64
-    case 64: return kernels::decode_sm80_ctas_per_sm_hd64(dtype);
+    case 64: return kernels::decode_sm80_ctas_per_sm_hd64(dtype, stages);
 #endif
 #if TESSERA_INST_HD128
-    case 128: return kernels::decode_sm80_ctas_per_sm_hd128(dtype);
+    case 128: return kernels::decode_sm80_ctas_per_sm_hd128(dtype, stages);
 #endif
 #if TESSERA_INST_HD256
-    case 256: return kernels::decode_sm80_ctas_per_sm_hd256(dtype);
+    case 256: return kernels::decode_sm80_ctas_per_sm_hd256(dtype, stages);
 #endif
     default: not_compiled(dtype, head_dim);
   }
+}
+
+namespace {
+int decode_smem_bytes(int head_dim, int stages) {
+  switch (head_dim) {
+#if TESSERA_INST_HD64
+    case 64: return kernels::decode_sm80_smem_bytes_hd64(stages);
+#endif
+#if TESSERA_INST_HD128
+    case 128: return kernels::decode_sm80_smem_bytes_hd128(stages);
+#endif
+#if TESSERA_INST_HD256
+    case 256: return kernels::decode_sm80_smem_bytes_hd256(stages);
+#endif
+    default: return 0;
+  }
+}
+}  // namespace
+
+int decode_stages(int head_dim, int requested) {
+  if (requested != 0 && requested != 2 && requested != 3) {
+    throw Error("tessera::BatchDecoder: DecodeConfig.pipeline_stages must be 0 (automatic), 2 or 3, got " +
+                std::to_string(requested));
+  }
+  const int smem_optin = shared_memory_per_block();
+  for (int stages : {3, 2}) {
+    if (requested != 0 && stages != requested) continue;
+    const int needed = decode_smem_bytes(head_dim, stages);
+    if (needed <= smem_optin) return stages;
+    if (requested != 0) {
+      throw Error("tessera::BatchDecoder: DecodeConfig.pipeline_stages = " + std::to_string(stages) +
+                  " needs " + std::to_string(needed) + " bytes of shared memory per block at head_dim " +
+                  std::to_string(head_dim) + "; this GPU allows " + std::to_string(smem_optin));
+    }
+  }
+  throw Error("tessera::BatchDecoder: the decode kernel at head_dim " + std::to_string(head_dim) +
+              " needs " + std::to_string(decode_smem_bytes(head_dim, 2)) +
+              " bytes of shared memory per block even with 2 stages; this GPU allows " +
+              std::to_string(smem_optin));
 }
 
 }  // namespace dispatch

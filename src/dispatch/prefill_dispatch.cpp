@@ -1,5 +1,10 @@
 #include "dispatch/prefill_dispatch.h"
 
+#include <algorithm>
+#include <atomic>
+#include <string>
+
+#include "core/cuda_check.h"
 #include "kernels/attention/prefill_params.h"
 #include "tessera/error.h"
 #include "tessera_instantiations.h"
@@ -18,13 +23,16 @@ const char* attention_path_name(AttentionPath path) {
 namespace kernels {
 // One per instantiation group (src/kernels/attention/portable/prefill_sm80_hd*.cu).
 #if TESSERA_INST_HD64
-void launch_prefill_sm80_hd64(DType dtype, const PrefillParams& p, cudaStream_t stream);
+void launch_prefill_sm80_hd64(DType dtype, const PrefillParams& p, bool compact, cudaStream_t stream);
+int prefill_sm80_smem_bytes_hd64(bool compact);
 #endif
 #if TESSERA_INST_HD128
-void launch_prefill_sm80_hd128(DType dtype, const PrefillParams& p, cudaStream_t stream);
+void launch_prefill_sm80_hd128(DType dtype, const PrefillParams& p, bool compact, cudaStream_t stream);
+int prefill_sm80_smem_bytes_hd128(bool compact);
 #endif
 #if TESSERA_INST_HD256
-void launch_prefill_sm80_hd256(DType dtype, const PrefillParams& p, cudaStream_t stream);
+void launch_prefill_sm80_hd256(DType dtype, const PrefillParams& p, bool compact, cudaStream_t stream);
+int prefill_sm80_smem_bytes_hd256(bool compact);
 #endif
 
 bool prefill_sm80_compiled(DType dtype, int head_dim) {
@@ -35,6 +43,23 @@ bool prefill_sm80_compiled(DType dtype, int head_dim) {
   return false;
 }
 
+namespace {
+int prefill_sm80_smem_bytes(int head_dim, bool compact) {
+  switch (head_dim) {
+#if TESSERA_INST_HD64
+    case 64: return prefill_sm80_smem_bytes_hd64(compact);
+#endif
+#if TESSERA_INST_HD128
+    case 128: return prefill_sm80_smem_bytes_hd128(compact);
+#endif
+#if TESSERA_INST_HD256
+    case 256: return prefill_sm80_smem_bytes_hd256(compact);
+#endif
+    default: return 0;
+  }
+}
+}  // namespace
+
 void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
                          cudaStream_t stream) {
   if (!prefill_sm80_compiled(dtype, head_dim)) {
@@ -42,15 +67,24 @@ void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
                 std::to_string(head_dim) + " is not compiled in this build (TESSERA_HEAD_DIMS / "
                 "TESSERA_DTYPES)");
   }
+  // The default tile shape where the GPU's shared memory per block holds it, else the compact one
+  // (hd256 on sm_86 / sm_89); neither fitting is an error, not a launch failure.
+  const int budget = dispatch::shared_memory_per_block();
+  const bool compact = prefill_sm80_smem_bytes(head_dim, false) > budget;
+  if (compact && prefill_sm80_smem_bytes(head_dim, true) > budget) {
+    throw Error("tessera: portable prefill at head_dim " + std::to_string(head_dim) + " needs " +
+                std::to_string(prefill_sm80_smem_bytes(head_dim, true)) +
+                " bytes of shared memory per block; this GPU allows " + std::to_string(budget));
+  }
   switch (head_dim) {
 #if TESSERA_INST_HD64
-    case 64: launch_prefill_sm80_hd64(dtype, params, stream); return;
+    case 64: launch_prefill_sm80_hd64(dtype, params, compact, stream); return;
 #endif
 #if TESSERA_INST_HD128
-    case 128: launch_prefill_sm80_hd128(dtype, params, stream); return;
+    case 128: launch_prefill_sm80_hd128(dtype, params, compact, stream); return;
 #endif
 #if TESSERA_INST_HD256
-    case 256: launch_prefill_sm80_hd256(dtype, params, stream); return;
+    case 256: launch_prefill_sm80_hd256(dtype, params, compact, stream); return;
 #endif
     default: break;
   }
@@ -58,6 +92,20 @@ void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
 }  // namespace kernels
 
 namespace dispatch {
+
+namespace {
+std::atomic<int> g_shared_memory_limit{0};
+}  // namespace
+
+void limit_shared_memory_per_block(int bytes) { g_shared_memory_limit.store(bytes); }
+
+int shared_memory_per_block() {
+  int device = 0, optin = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int limit = g_shared_memory_limit.load();
+  return limit > 0 ? std::min(limit, optin) : optin;
+}
 
 std::vector<int> compiled_prefill_head_dims() {
   std::vector<int> dims;

@@ -14,6 +14,7 @@
 #include <numeric>
 
 #include "dispatch/decode_dispatch.h"
+#include "dispatch/prefill_dispatch.h"
 #include "gpu/gpu_test_util.h"
 #include "gpu/paged_kv_util.h"
 #include "reference/attention_ref.h"
@@ -81,6 +82,7 @@ struct DecodeCase {
   float soft_cap = 0.f;
   float scale = 0.f;
   int64_t q_pad = 0;        // extra elements per row of q and o (strided rows)
+  int pipeline_stages = 0;  // 0: the kernel the GPU gets by default
 };
 
 std::vector<int> qo_lens(const DecodeCase& c) {
@@ -101,6 +103,7 @@ DecodeConfig config_of(const DecodeCase& c) {
   cfg.window_left = c.window_left;
   cfg.scale = c.scale;
   cfg.soft_cap = c.soft_cap;
+  cfg.pipeline_stages = c.pipeline_stages;
   return cfg;
 }
 
@@ -126,6 +129,7 @@ std::string describe(const DecodeCase& c) {
   if (c.scale > 0) s += " scale " + std::to_string(c.scale);
   if (c.kv.head_pad || c.kv.k_page_pad || c.kv.v_page_pad) s += " strided pages";
   if (c.q_pad) s += " strided rows";
+  if (c.pipeline_stages) s += " " + std::to_string(c.pipeline_stages) + " stages";
   return s;
 }
 
@@ -238,6 +242,53 @@ TEST(GpuDecode, GroupsHeadDimsAndDtypes) {
         c.kv_len = {97, 1, 577, 16};
         run_case(c, seed++);
       }
+    }
+  }
+}
+
+// ---- 2b. The 2-stage kernel (what GPUs with 99 KB of shared memory per block run) ---------------
+TEST(GpuDecode, TwoStagePipeline) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 150;
+  for (int head_dim : {64, 128, 256}) {
+    DecodeCase c;
+    c.kv.dtype = DType::kBF16;
+    if (!decode_compiled(head_dim, c.kv.dtype)) c.kv.dtype = DType::kFP16;
+    c.kv.head_dim = head_dim;
+    c.kv.page_size = head_dim == 128 ? 16 : 1;
+    c.kv.layout = head_dim == 256 ? KVLayout::kHND : KVLayout::kNHD;
+    c.num_qo_heads = 8;
+    c.kv.num_kv_heads = 2;
+    c.pipeline_stages = 2;
+    c.kv_len = {1, 54, 0, 97, 700, 16385};  // the long request is split and merged
+    run_case(c, seed++);
+  }
+}
+
+// What a GPU with 99 KB of shared memory per block (sm_86, sm_89) picks: 2 stages where 3 do not
+// fit; forcing 3 there is an error naming the field.
+TEST(GpuDecode, StagesFollowSharedMemory) {
+  TESSERA_REQUIRE_GPU();
+  struct Limit {
+    Limit() { dispatch::limit_shared_memory_per_block(99 * 1024); }
+    ~Limit() { dispatch::limit_shared_memory_per_block(0); }
+  } limit;
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv.page_size = 16;
+  c.num_qo_heads = 8;
+  c.kv.num_kv_heads = 2;
+  c.kv_len = {300, 16385};
+  run_case(c, 170);
+  if (c.kv.head_dim >= 128) {  // 3 stages need 103 / 107 KB there
+    c.pipeline_stages = 3;
+    const DecodeConfig cfg = config_of(c);
+    try {
+      (void)BatchDecoder::workspace_bytes(cfg);
+      ADD_FAILURE() << "3 stages cannot fit in 99 KB at head_dim " << c.kv.head_dim;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("pipeline_stages"));
+      EXPECT_THAT(e.what(), HasSubstr("shared memory"));
     }
   }
 }
@@ -612,6 +663,8 @@ TEST(GpuDecodeBadInput, ConfigIsValidated) {
       {[](DecodeConfig& c) { c.max_batch_size = 0; }, {"'max_batch_size'"}},
       {[](DecodeConfig& c) { c.dtype = DType::kFP32; }, {"'dtype'"}},
       {[](DecodeConfig& c) { c.window_left = -2; }, {"'window_left'"}},
+      {[](DecodeConfig& c) { c.pipeline_stages = 1; }, {"'pipeline_stages'", "1"}},
+      {[](DecodeConfig& c) { c.pipeline_stages = 4; }, {"'pipeline_stages'", "4"}},
   };
   // What a narrowed build left out is a clear error, not a fallback.
   for (int hd : {64, 128, 256}) {

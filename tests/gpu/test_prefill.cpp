@@ -1,5 +1,7 @@
 // batch_prefill on the GPU against the fp64 CPU reference, with the tolerance rule of docs/CONVENTIONS.md:
 // max error <= 2 x (max error of the naive computation in the kernel's precision) + a floor.
+#include <gmock/gmock.h>
+
 #include <algorithm>
 
 #include "dispatch/prefill_dispatch.h"
@@ -215,6 +217,45 @@ TEST(GpuPrefill, ForcedPaths) {
   run_case(c, 300);
   c.path = AttentionPath::kHopper;  // not built yet: a clear error, not a silent fallback
   EXPECT_THROW(run_case(c, 301), Error);
+}
+
+// GPUs with 99 KB of shared memory per block (sm_86, sm_89) get the compact hd256 tile shape
+// (the default one needs 130 KB); here the limit is imposed on this GPU to run that shape.
+TEST(GpuPrefill, CompactTileShapeForLessSharedMemory) {
+  TESSERA_REQUIRE_GPU();
+  struct Limit {  // lifts the limit however the test ends
+    Limit() { dispatch::limit_shared_memory_per_block(99 * 1024); }
+    ~Limit() { dispatch::limit_shared_memory_per_block(0); }
+  } limit;
+  uint32_t seed = 400;
+  for (int hd : dispatch::compiled_prefill_head_dims()) {
+    PrefillCase c;
+    c.dtype = dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16;
+    c.head_dim = hd;
+    c.num_qo_heads = 8;
+    c.num_kv_heads = 2;
+    c.qo_len = {97, 1, 300};
+    c.kv_len = {577, 40, 300};
+    run_case(c, seed++);
+    c.causal = true;
+    c.window_left = 70;
+    c.soft_cap = 5.f;
+    run_case(c, seed++);
+  }
+  dispatch::limit_shared_memory_per_block(2 * 1024);  // nothing fits: a clear error
+  {
+    PrefillCase c;
+    c.head_dim = dispatch::compiled_prefill_head_dims().back();
+    c.dtype = dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16;
+    c.qo_len = {16};
+    c.kv_len = {16};
+    try {
+      run_case(c, 410);
+      ADD_FAILURE() << "expected an error naming the shared memory the kernel needs";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("shared memory per block"));
+    }
+  }
 }
 
 TEST(GpuPrefill, HeadStridesWindowsAndChunkedPrefill) {

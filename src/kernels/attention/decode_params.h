@@ -55,6 +55,7 @@ struct DecodeParams {
 // item in eager mode; the capacity's maximum when captured into a CUDA graph).
 struct DecodeLaunch {
   int decode_ctas = 0;
+  int stages = 3;  // K/V pipeline stages: 3, or 2 where shared memory is short (dispatch picks)
 };
 
 }  // namespace tessera::kernels

@@ -27,7 +27,9 @@
 
 namespace tessera::kernels::sm80 {
 
-template <int kHeadDim>
+// kStagesT: 3 wherever the shared memory allows (every sm_80/sm_90 part), 2 on GPUs with 99 KB
+// per block (sm_86, sm_89), where three stages at hd128/hd256 (103/107 KB) cannot launch.
+template <int kHeadDim, int kStagesT = 3>
 struct DecodeTileConfig {
   static constexpr int kBlockN = 8192 / kHeadDim;  // keys per stage: K + V tiles are 32 KB
   static constexpr int kWarps = kBlockN / 16;      // each warp owns 16 keys of every stage
@@ -35,7 +37,7 @@ struct DecodeTileConfig {
   // Measured on H200 (hd128, NHD page 16, see notes/decode.md): 3 stages x 2 CTAs per SM beat
   // 2 stages x 3 CTAs (b64 x 4K: 4.32 vs 3.86 TB/s, a wave-quantisation tail) and 4 or 6 stages
   // x 1 CTA (2.5 and 2.3 TB/s: one CTA per SM cannot issue the copies fast enough).
-  static constexpr int kStages = 3;
+  static constexpr int kStages = kStagesT;
   static constexpr int kMinBlocksPerSM = 2;
   static constexpr int kRows = 16;                 // query rows per pass: one m16 tile
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one K/V/Q row
@@ -157,11 +159,11 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
   }
 }
 
-template <typename T, int kHeadDim, typename Logits>
-__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
-                                  DecodeTileConfig<kHeadDim>::kMinBlocksPerSM)
+template <typename T, int kHeadDim, typename Logits, int kStagesT>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads,
+                                  DecodeTileConfig<kHeadDim, kStagesT>::kMinBlocksPerSM)
     decode_sm80_kernel(const DecodeParams p) {
-  using Cfg = DecodeTileConfig<kHeadDim>;
+  using Cfg = DecodeTileConfig<kHeadDim, kStagesT>;
   constexpr int kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kRows = Cfg::kRows, kChunksPerRow = Cfg::kChunksPerRow;
   constexpr int kDTiles = kHeadDim / 8;   // O accumulator tiles of 8 dims
@@ -258,8 +260,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
 
       // Prologue: tiles 0 .. kStages - 2 in flight (one commit group each, Q in the first), and
       // the page ids of the next tile to issue in registers.
-      static_assert(kStages == 3, "the prologue below fills two stages");
-      {
+      static_assert(kStages == 2 || kStages == 3, "the prologue below fills one or two stages");
+      if constexpr (kStages == 3) {
         // The page ids of the first three tiles are requested together (one round trip).
         int first_ids[Cfg::kRowsPerThread];
         if (num_tiles > 0) fetch_pages(0, first_ids);
@@ -267,6 +269,10 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
         if (num_tiles > 0) issue(0, first_ids);
         cp_async_commit();
         if (num_tiles > 1) issue(1, page_ids);
+        cp_async_commit();
+      } else {
+        if (num_tiles > 0) fetch_pages(0, page_ids);
+        if (num_tiles > 0) issue(0, page_ids);
         cp_async_commit();
       }
       if (kStages - 1 < num_tiles) fetch_pages(kStages - 1, page_ids);
@@ -470,37 +476,55 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim>::kThreads,
   }
 }
 
-template <typename T, int kHeadDim, typename Logits>
+template <typename T, int kHeadDim, typename Logits, int kStages>
 auto decode_kernel_ready() {
-  using Cfg = DecodeTileConfig<kHeadDim>;
-  auto kernel = decode_sm80_kernel<T, kHeadDim, Logits>;
+  using Cfg = DecodeTileConfig<kHeadDim, kStages>;
+  auto kernel = decode_sm80_kernel<T, kHeadDim, Logits, kStages>;
   TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Cfg::kSmemBytes));
   return kernel;
 }
 
+template <typename T, int kHeadDim, int kStages>
+void launch_decode_stages(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
+  using Cfg = DecodeTileConfig<kHeadDim, kStages>;
+  if (p.soft_cap > 0.f) {
+    decode_kernel_ready<T, kHeadDim, SoftCappedLogits, kStages>()<<<launch.decode_ctas, Cfg::kThreads,
+                                                                    Cfg::kSmemBytes, stream>>>(p);
+  } else {
+    decode_kernel_ready<T, kHeadDim, PlainLogits, kStages>()<<<launch.decode_ctas, Cfg::kThreads,
+                                                               Cfg::kSmemBytes, stream>>>(p);
+  }
+  TESSERA_CHECK_LAUNCH();
+}
+
 template <typename T, int kHeadDim>
 void launch_decode(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
-  using Cfg = DecodeTileConfig<kHeadDim>;
-  if (launch.decode_ctas > 0) {
-    if (p.soft_cap > 0.f) {
-      decode_kernel_ready<T, kHeadDim, SoftCappedLogits>()<<<launch.decode_ctas, Cfg::kThreads,
-                                                             Cfg::kSmemBytes, stream>>>(p);
-    } else {
-      decode_kernel_ready<T, kHeadDim, PlainLogits>()<<<launch.decode_ctas, Cfg::kThreads,
-                                                        Cfg::kSmemBytes, stream>>>(p);
-    }
-    TESSERA_CHECK_LAUNCH();
-  }
+  if (launch.decode_ctas == 0) return;
+  if (launch.stages == 2) launch_decode_stages<T, kHeadDim, 2>(p, launch, stream);
+  else launch_decode_stages<T, kHeadDim, 3>(p, launch, stream);
+}
+
+// Shared memory per CTA of the `stages` configuration (2 or 3).
+template <int kHeadDim>
+int decode_smem_bytes(int stages) {
+  return stages == 2 ? DecodeTileConfig<kHeadDim, 2>::kSmemBytes
+                     : DecodeTileConfig<kHeadDim, 3>::kSmemBytes;
 }
 
 // Resident decode CTAs per SM on the current GPU (what the planner balances a wave for).
 template <typename T, int kHeadDim>
-int decode_ctas_per_sm() {
-  using Cfg = DecodeTileConfig<kHeadDim>;
+int decode_ctas_per_sm(int stages) {
   int blocks = 0;
-  TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, decode_kernel_ready<T, kHeadDim, PlainLogits>(), Cfg::kThreads, Cfg::kSmemBytes));
+  if (stages == 2) {
+    using Cfg = DecodeTileConfig<kHeadDim, 2>;
+    TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, decode_kernel_ready<T, kHeadDim, PlainLogits, 2>(), Cfg::kThreads, Cfg::kSmemBytes));
+  } else {
+    using Cfg = DecodeTileConfig<kHeadDim, 3>;
+    TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, decode_kernel_ready<T, kHeadDim, PlainLogits, 3>(), Cfg::kThreads, Cfg::kSmemBytes));
+  }
   return blocks;
 }
 

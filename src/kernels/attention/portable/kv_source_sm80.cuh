@@ -42,7 +42,28 @@ __device__ void copy_tile_rows(const SwizzledTile<T, kRows, kHeadDim>& tile, int
   }
 }
 
-template <typename T, int kBlockN, int kHeadDim, int kThreads>
+// copy_tile_rows for a tile whose rows are all valid and lie `stride` elements apart: thread c
+// copies chunk c % kChunksPerRow of rows c / kChunksPerRow + i * kRowsPerPass, so its source
+// addresses differ by a fixed step (and its swizzled destinations by compile-time offsets when a
+// pass is a multiple of the 8-row swizzle period).
+template <typename T, int kRows, int kHeadDim, int kThreads>
+__device__ void copy_full_tile_rows(const SwizzledTile<T, kRows, kHeadDim>& tile, const T* base,
+                                    int64_t stride) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
+                "each pass of the threads covers whole rows");
+  const int row = threadIdx.x / kChunksPerRow;
+  const int col = (threadIdx.x % kChunksPerRow) * 8;
+  const T* src = base + row * stride + col;
+  const int64_t step = kRowsPerPass * stride;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowsPerPass; ++i)
+    cp_async_16(tile.at(row + i * kRowsPerPass, col), src + i * step, true);
+}
+
+// kFullTileCopy: tiles wholly inside the request are copied by copy_full_tile_rows.
+template <typename T, int kBlockN, int kHeadDim, int kThreads, bool kFullTileCopy>
 struct RaggedKV {
   static constexpr int kSmemBytes = 0;  // shared memory it needs
   // Head pointers held in registers: rebuilding them from the constant bank per tile (as PagedKV
@@ -65,12 +86,17 @@ struct RaggedKV {
     const bool keys = part == KVPart::kKeys;
     const int64_t stride = keys ? p.k_stride_row : p.v_stride_row;
     const T* base = (keys ? k_head : v_head) + int64_t(n0) * stride;
-    copy_tile_rows<T, kBlockN, kHeadDim, kThreads>(tile, kv_len - n0,
-                                                   [&](int r) { return base + r * stride; });
+    if (kFullTileCopy && n0 + kBlockN <= kv_len) {  // one address per thread, fixed steps
+      copy_full_tile_rows<T, kBlockN, kHeadDim, kThreads>(tile, base, stride);
+    } else {
+      copy_tile_rows<T, kBlockN, kHeadDim, kThreads>(tile, kv_len - n0,
+                                                     [&](int r) { return base + r * stride; });
+    }
   }
 };
 
-template <typename T, int kBlockN, int kHeadDim, int kThreads>
+// kFullTileCopy: tiles wholly inside the request skip the per-row validity test.
+template <typename T, int kBlockN, int kHeadDim, int kThreads, bool kFullTileCopy>
 struct PagedKV {
   static_assert(kBlockN <= kThreads, "one thread per row of a tile");
   // Page ids of two tiles' rows, then element offsets of two tiles' rows in K and in V.
@@ -120,6 +146,18 @@ struct PagedKV {
     const bool keys = part == KVPart::kKeys;
     const T* base = static_cast<const T*>(keys ? p.k : p.v);
     const int64_t* offsets = row_offsets + buf * 2 * kBlockN + (keys ? 0 : kBlockN);
+    if (kFullTileCopy && n0 + kBlockN <= kv_len) {
+      constexpr int kChunksPerRow = kHeadDim / 8;
+      constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+      const int row = threadIdx.x / kChunksPerRow;
+      const int col = (threadIdx.x % kChunksPerRow) * 8;
+#pragma unroll
+      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
+        const int r = row + i * kRowsPerPass;
+        cp_async_16(tile.at(r, col), base + offsets[r] + col, true);
+      }
+      return;
+    }
     copy_tile_rows<T, kBlockN, kHeadDim, kThreads>(tile, kv_len - n0,
                                                    [&](int r) { return base + offsets[r]; });
   }

@@ -1,9 +1,10 @@
-// Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA of 4 warps owns 128
-// query rows (64 at hd256) of one (request, query head); each warp owns 32 (16) rows
-// and keeps its O accumulators and softmax statistics in registers while the CTA streams K and V
-// tiles of 64 keys (32 at hd256) through shared memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P never leaves
-// registers: the S accumulators are re-packed as the A operand of the P V product.
-// Loads overlap compute as in FA2: V(j) loads while S(j) is computed, K(j+1) while O += P V(j).
+// Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA owns 128 query rows
+// of one (request, query head): 4 warps of 32 rows (hd64, hd128) or 8 warps of 16 rows (hd256).
+// Each warp keeps its O accumulators and softmax statistics in registers while the CTA streams K
+// and V tiles of 64 keys through shared memory (cp.async), computing S = Q K^T and O += P V with
+// mma.sync m16n8k16. P never leaves registers: the S accumulators are re-packed as the A operand
+// of the P V product. Loads overlap compute as in FA2: V(j) loads while S(j) is computed, K(j+1)
+// while the softmax and O += P V(j) are (hd256) or while O += P V(j) is (hd64, hd128).
 // KV tiles wholly outside the mask band are never visited; only tiles that cross its edge are
 // masked element by element.
 #pragma once
@@ -20,20 +21,33 @@
 
 namespace tessera::kernels::sm80 {
 
-// Tile shapes by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden 2048; see
-// notes/prefill_portable.md): 32 rows per warp beat 16 at hd64 (304 vs 273 TFLOP/s) and at hd128
-// (316 vs 285 non-causal, equal causal, despite 136 bytes of spills); 32-key tiles beat 64 at
-// hd256 (275 vs 249) but lose at hd128 (229 vs 285); capping registers for 3 CTAs/SM lost 5-10%.
-template <int kHeadDim>
+// Tile shapes and load order by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden
+// 2048, TFLOP/s; see notes/prefill_portable.md):
+// - 32 rows per warp beat 16 at hd64 (304 vs 273) and at hd128 (316 vs 285); 32-key tiles lose at
+//   hd128 (323 vs 326 at 32 rows per warp); capping registers for 3 CTAs/SM lost 5-10%.
+// - hd256 takes FA2's shape: 8 warps of 16 rows, 64-key tiles, one CTA per SM, and K(j+1)
+//   requested right after S(j) (297 vs 281 for 4 warps with 32-key tiles, 292 with the later load).
+// - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
+//   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles do the
+//   same at hd128 only (+1.5%; -2% at hd64 and hd256).
+// kCompact: the shape for GPUs whose shared memory per block is too small for the default one
+// (99 KB on sm_86 / sm_89; the wide hd256 tile needs 130 KB): hd256 keeps 4 warps and 32-key tiles
+// (66 KB). Identical to the default at hd64 / hd128.
+template <int kHeadDimT, bool kCompact = false>
 struct PrefillConfig {
-  static constexpr int kWarps = 4;
+  static constexpr int kHeadDim = kHeadDimT;
+  static constexpr bool kWide = kHeadDim == 256 && !kCompact;  // FA2's 128 x 64 hd256 tile
+  static constexpr int kWarps = kWide ? 8 : 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 row tiles per warp
   static constexpr int kBlockM = 16 * kMTiles * kWarps;    // query rows per CTA
-  static constexpr int kBlockN = kHeadDim == 256 ? 32 : 64;  // keys per K/V tile
+  static constexpr int kBlockN = kHeadDim == 256 && !kWide ? 32 : 64;  // keys per K/V tile
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
-  // CTAs per SM the register budget is sized for (65536 / (128 x CTAs) registers per thread).
-  static constexpr int kMinBlocksPerSM = 2;
+  // CTAs per SM the register budget is sized for (65536 / (kThreads x CTAs) registers per thread).
+  static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
+  static constexpr bool kEarlyKeyLoad = kWide;  // K(j+1) requested after S(j), not after softmax
+  static constexpr bool kRaggedFullTileCopy = kHeadDim != 64;
+  static constexpr bool kPagedFullTileCopy = kHeadDim == 128;
 };
 
 // The band of keys a query row may see: [key_begin(i), key_end(i)).
@@ -64,11 +78,10 @@ __device__ void load_tile_async(const SwizzledTile<T, kRows, kHeadDim>& tile, co
 }
 
 // KV: RaggedKV or PagedKV of kv_source_sm80.cuh, instantiated for this tile shape.
-template <typename T, int kHeadDim, typename Logits, typename KV>
-__global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
-                                  PrefillConfig<kHeadDim>::kMinBlocksPerSM)
+template <typename T, typename Config, typename Logits, typename KV>
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     prefill_sm80_kernel(const PrefillParams p) {
-  using Config = PrefillConfig<kHeadDim>;
+  constexpr int kHeadDim = Config::kHeadDim;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
   constexpr int kMTiles = Config::kMTiles;  // m16 tiles per warp
   constexpr int kNTiles = kBlockN / 8;      // S accumulator tiles of 8 keys
@@ -165,6 +178,14 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
       }
     }
 
+    if constexpr (Config::kEarlyKeyLoad) {
+      if (tile + 1 < end_tile) kv.publish_rows(p, n0 + kBlockN, (tile + 1) & 1);
+      cp_async_wait<0>();
+      __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
+      if (tile + 1 < end_tile) kv.load(p, k_tile, n0 + kBlockN, (tile + 1) & 1, KVPart::kKeys);
+      cp_async_commit();
+    }
+
     // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
     // pay for the per-element test.
     if constexpr (!Logits::kIdentity) {
@@ -194,6 +215,8 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
     }
 
     // Online softmax: new row maxima (the 4 lanes of a row share them), rescale what came before.
+    float rescale[kMTiles][2];
+    bool max_moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -205,7 +228,8 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
         const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
-        const float rescale = exp2_approx(row_max[mt][r] * logits.log2_scale - m_scaled);
+        rescale[mt][r] = exp2_approx(row_max[mt][r] * logits.log2_scale - m_scaled);
+        max_moved |= m > row_max[mt][r];
         row_max[mt][r] = m;
         float sum = 0.f;
 #pragma unroll
@@ -216,20 +240,28 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
             sum += s[mt][j][e];
           }
         }
-        row_sum[mt][r] = row_sum[mt][r] * rescale + sum;
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-          o_acc[mt][d][2 * r] *= rescale;
-          o_acc[mt][d][2 * r + 1] *= rescale;
-        }
+        row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + sum;
       }
     }
+    // A row whose maximum did not move has rescale exactly 1 (ex2 of 0): O is rescaled only when
+    // some row of the warp moved, which after the first tiles is rare. Results are bitwise those
+    // of rescaling always.
+    if (__any_sync(0xffffffffu, max_moved)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o_acc[mt][d][e] *= rescale[mt][e / 2];
+    }
 
-    if (tile + 1 < end_tile) kv.publish_rows(p, n0 + kBlockN, (tile + 1) & 1);
-    cp_async_wait<0>();
-    __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
-    if (tile + 1 < end_tile) kv.load(p, k_tile, n0 + kBlockN, (tile + 1) & 1, KVPart::kKeys);
-    cp_async_commit();
+    if constexpr (!Config::kEarlyKeyLoad) {
+      if (tile + 1 < end_tile) kv.publish_rows(p, n0 + kBlockN, (tile + 1) & 1);
+      cp_async_wait<0>();
+      __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
+      if (tile + 1 < end_tile) kv.load(p, k_tile, n0 + kBlockN, (tile + 1) & 1, KVPart::kKeys);
+      cp_async_commit();
+    }
 
     // O += P V, P taken straight from the S accumulators (two 8-key tiles make one k16 A tile).
 #pragma unroll
@@ -286,11 +318,10 @@ __global__ void __launch_bounds__(PrefillConfig<kHeadDim>::kThreads,
   }
 }
 
-template <typename T, int kHeadDim, typename Logits, typename KV>
+template <typename T, typename Config, typename Logits, typename KV>
 void launch_prefill_variant(const PrefillParams& p, const dim3& grid, cudaStream_t stream) {
-  using Config = PrefillConfig<kHeadDim>;
   constexpr int kSmemBytes = Config::kSmemBytes + KV::kSmemBytes;
-  auto kernel = prefill_sm80_kernel<T, kHeadDim, Logits, KV>;
+  auto kernel = prefill_sm80_kernel<T, Config, Logits, KV>;
   if (kSmemBytes > 48 * 1024) {
     TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             kSmemBytes));
@@ -298,21 +329,41 @@ void launch_prefill_variant(const PrefillParams& p, const dim3& grid, cudaStream
   kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(p);
 }
 
-template <typename T, int kHeadDim>
-void launch_prefill(const PrefillParams& p, cudaStream_t stream) {
-  using Config = PrefillConfig<kHeadDim>;
+template <typename T, typename Config>
+void launch_prefill_config(const PrefillParams& p, cudaStream_t stream) {
   const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
   if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
   const dim3 grid(m_tiles, p.batch_size, p.num_qo_heads);
-  using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
-  using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
+  constexpr int kHeadDim = Config::kHeadDim;
+  using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kRaggedFullTileCopy>;
+  using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kPagedFullTileCopy>;
   if (p.soft_cap > 0.f) {
-    if (p.paged) launch_prefill_variant<T, kHeadDim, SoftCappedLogits, Paged>(p, grid, stream);
-    else launch_prefill_variant<T, kHeadDim, SoftCappedLogits, Ragged>(p, grid, stream);
+    if (p.paged) launch_prefill_variant<T, Config, SoftCappedLogits, Paged>(p, grid, stream);
+    else launch_prefill_variant<T, Config, SoftCappedLogits, Ragged>(p, grid, stream);
   } else {
-    if (p.paged) launch_prefill_variant<T, kHeadDim, PlainLogits, Paged>(p, grid, stream);
-    else launch_prefill_variant<T, kHeadDim, PlainLogits, Ragged>(p, grid, stream);
+    if (p.paged) launch_prefill_variant<T, Config, PlainLogits, Paged>(p, grid, stream);
+    else launch_prefill_variant<T, Config, PlainLogits, Ragged>(p, grid, stream);
   }
+}
+
+// Shared memory per CTA of the default or compact shape (the paged loader's included).
+template <int kHeadDim>
+int prefill_smem_bytes(bool compact) {
+  auto bytes = [](auto config) {
+    using Config = decltype(config);
+    return Config::kSmemBytes + PagedKV<__nv_bfloat16, Config::kBlockN, kHeadDim, Config::kThreads,
+                                        false>::kSmemBytes;
+  };
+  return compact ? bytes(PrefillConfig<kHeadDim, true>{}) : bytes(PrefillConfig<kHeadDim, false>{});
+}
+
+// compact: the caller found the default shape too large for the GPU's shared memory per block.
+template <typename T, int kHeadDim>
+void launch_prefill(const PrefillParams& p, bool compact, cudaStream_t stream) {
+  if constexpr (PrefillConfig<kHeadDim, true>::kWide != PrefillConfig<kHeadDim, false>::kWide) {
+    if (compact) return launch_prefill_config<T, PrefillConfig<kHeadDim, true>>(p, stream);
+  }
+  launch_prefill_config<T, PrefillConfig<kHeadDim, false>>(p, stream);
 }
 
 }  // namespace tessera::kernels::sm80
