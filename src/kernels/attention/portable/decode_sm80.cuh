@@ -19,6 +19,7 @@
 #include <cmath>
 
 #include "core/cuda_check.h"
+#include "core/once_per_device.h"
 #include "kernels/attention/decode_params.h"
 #include "kernels/attention/logits.cuh"
 #include "kernels/common/mma_sm80.cuh"
@@ -480,8 +481,11 @@ template <typename T, int kHeadDim, typename Logits, int kStages>
 auto decode_kernel_ready() {
   using Cfg = DecodeTileConfig<kHeadDim, kStages>;
   auto kernel = decode_sm80_kernel<T, kHeadDim, Logits, kStages>;
-  TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          Cfg::kSmemBytes));
+  static detail::OncePerDevice smem_limit_raised;
+  smem_limit_raised([&] {
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            Cfg::kSmemBytes));
+  });
   return kernel;
 }
 

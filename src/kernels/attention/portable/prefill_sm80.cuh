@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "core/cuda_check.h"
+#include "core/once_per_device.h"
 #include "kernels/attention/logits.cuh"
 #include "kernels/attention/portable/kv_source_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
@@ -323,8 +324,11 @@ void launch_prefill_variant(const PrefillParams& p, const dim3& grid, cudaStream
   constexpr int kSmemBytes = Config::kSmemBytes + KV::kSmemBytes;
   auto kernel = prefill_sm80_kernel<T, Config, Logits, KV>;
   if (kSmemBytes > 48 * 1024) {
-    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            kSmemBytes));
+    static detail::OncePerDevice smem_limit_raised;
+    smem_limit_raised([&] {
+      TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              kSmemBytes));
+    });
   }
   kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(p);
 }
