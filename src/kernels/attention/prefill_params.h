@@ -40,6 +40,7 @@ struct PrefillParams {
   int num_qo_heads = 0;
   int num_kv_heads = 0;
   int max_qo_len = 0;  // from the host copy of qo_indptr: sizes the grid
+  bool grid_tiles_last = false;  // set by the launcher: the grid's order (see prefill_sm80.cuh)
   // Mask: bottom-right causal and/or a left window (window_left < 0: none).
   bool causal = false;
   int window_left = -1;

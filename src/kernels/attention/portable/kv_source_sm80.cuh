@@ -9,7 +9,9 @@
 // PagedKV reads a paged cache through the page table (the BSR view of src/format): the page ids of
 // a tile's rows are copied into shared memory with cp.async two tiles ahead (fetch_rows), turned
 // into the rows' element offsets in K and V one tile ahead (publish_rows, after S = QK^T), so
-// copying a row costs one shared load more than a ragged row. Measured against the ragged kernel:
+// copying a row costs one shared load more than a ragged row. When K and V pages have the same
+// strides (the usual case) only the K offsets are published and V uses them (+3-4% at hd128).
+// Measured against the ragged kernel:
 // page arithmetic per 16-byte chunk 0.84-0.87; ids loaded into registers one tile ahead 0.96 at
 // hd128 but 0.86-0.88 at hd64 / hd256, whose shorter S = QK^T did not hide the load.
 // The parameters are passed to every call rather than kept by address: taking the address of a
@@ -116,6 +118,11 @@ struct PagedKV {
     ids = reinterpret_cast<int*>(smem);
     row_offsets = reinterpret_cast<int64_t*>(smem + 2 * kBlockN * 4);
   }
+  // K and V pages with the same strides (the usual case): a row's V offset is its K offset.
+  __device__ static bool same_layout(const PrefillParams& p) {
+    return p.k_stride_page == p.v_stride_page && p.k_stride_token == p.v_stride_token &&
+           p.k_stride_head == p.v_stride_head;
+  }
   __device__ static int page_of(const PrefillParams& p, int token) {  // token / page_size
     const unsigned t = static_cast<unsigned>(token);
     return static_cast<int>((__umulhi(t, p.page_magic) + t) >> p.page_shift);
@@ -137,15 +144,17 @@ struct PagedKV {
       int64_t* offsets = row_offsets + buf * 2 * kBlockN;
       offsets[threadIdx.x] = page * p.k_stride_page + int64_t(slot) * p.k_stride_token +
                              int64_t(kv_head) * p.k_stride_head;
-      offsets[kBlockN + threadIdx.x] = page * p.v_stride_page + int64_t(slot) * p.v_stride_token +
-                                       int64_t(kv_head) * p.v_stride_head;
+      if (!same_layout(p)) {
+        offsets[kBlockN + threadIdx.x] = page * p.v_stride_page + int64_t(slot) * p.v_stride_token +
+                                         int64_t(kv_head) * p.v_stride_head;
+      }
     }
   }
   __device__ void load(const PrefillParams& p, const SwizzledTile<T, kBlockN, kHeadDim>& tile,
                        int n0, int buf, KVPart part) const {
     const bool keys = part == KVPart::kKeys;
     const T* base = static_cast<const T*>(keys ? p.k : p.v);
-    const int64_t* offsets = row_offsets + buf * 2 * kBlockN + (keys ? 0 : kBlockN);
+    const int64_t* offsets = row_offsets + buf * 2 * kBlockN + (keys || same_layout(p) ? 0 : kBlockN);
     if (kFullTileCopy && n0 + kBlockN <= kv_len) {
       constexpr int kChunksPerRow = kHeadDim / 8;
       constexpr int kRowsPerPass = kThreads / kChunksPerRow;

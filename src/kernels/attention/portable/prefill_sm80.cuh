@@ -89,10 +89,15 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   constexpr int kDTiles = kHeadDim / 8;     // O accumulator tiles of 8 dims
   constexpr int kKSteps = kHeadDim / 16;    // k-steps of Q K^T
 
-  // Heavy (late, for causal) query tiles first: they see the most keys.
-  const int m_tile = gridDim.x - 1 - blockIdx.x;
+  // CTAs start roughly in grid order (x fastest). Causal: grid (heads, requests, query tiles from
+  // the last), so the heaviest tiles of every (request, head) go first and the light ones fill the
+  // tail (measured +10% at 2K-8K causal against heavy-first within each head). Otherwise tiles are
+  // equal: grid (query tiles, requests, heads), so the CTAs running together share a head's K/V
+  // in L2.
+  const bool tiles_last = p.grid_tiles_last;
+  const int m_tile = tiles_last ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x;
   const int request = blockIdx.y;
-  const int head = blockIdx.z;
+  const int head = tiles_last ? blockIdx.x : blockIdx.z;
   const int q_start = p.qo_indptr[request];
   const int qo_len = p.qo_indptr[request + 1] - q_start;
   const int m0 = m_tile * kBlockM;
@@ -337,16 +342,19 @@ template <typename T, typename Config>
 void launch_prefill_config(const PrefillParams& p, cudaStream_t stream) {
   const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
   if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
-  const dim3 grid(m_tiles, p.batch_size, p.num_qo_heads);
+  PrefillParams params = p;
+  params.grid_tiles_last = p.causal && m_tiles <= 65535;  // grid z holds at most 65535
+  const dim3 grid = params.grid_tiles_last ? dim3(p.num_qo_heads, p.batch_size, m_tiles)
+                                           : dim3(m_tiles, p.batch_size, p.num_qo_heads);
   constexpr int kHeadDim = Config::kHeadDim;
   using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kRaggedFullTileCopy>;
   using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kPagedFullTileCopy>;
   if (p.soft_cap > 0.f) {
-    if (p.paged) launch_prefill_variant<T, Config, SoftCappedLogits, Paged>(p, grid, stream);
-    else launch_prefill_variant<T, Config, SoftCappedLogits, Ragged>(p, grid, stream);
+    if (p.paged) launch_prefill_variant<T, Config, SoftCappedLogits, Paged>(params, grid, stream);
+    else launch_prefill_variant<T, Config, SoftCappedLogits, Ragged>(params, grid, stream);
   } else {
-    if (p.paged) launch_prefill_variant<T, Config, PlainLogits, Paged>(p, grid, stream);
-    else launch_prefill_variant<T, Config, PlainLogits, Ragged>(p, grid, stream);
+    if (p.paged) launch_prefill_variant<T, Config, PlainLogits, Paged>(params, grid, stream);
+    else launch_prefill_variant<T, Config, PlainLogits, Ragged>(params, grid, stream);
   }
 }
 
