@@ -205,11 +205,10 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
                         std::to_string(im.graph.cache_pages) +
                         " pages once run() was captured: a replay follows the page ids unchecked");
   }
-  const plan::Plan& plan = im.planner.plan(bsr, host_qo_indptr);
-
-  // The staging buffer may still be read by the previous step's copy.
+  // The staging buffer may still be read by the previous step's copy (long done in a serving
+  // loop). The planner then writes the plan image straight into it.
   TESSERA_CUDA_CHECK(cudaEventSynchronize(im.copied));
-  im.planner.write_image(im.staging);
+  const plan::Plan& plan = im.planner.plan(bsr, host_qo_indptr, im.staging);
   TESSERA_CUDA_CHECK(cudaMemcpyAsync(im.workspace, im.staging, im.planner.layout().plan_bytes,
                                      cudaMemcpyHostToDevice, stream));
   TESSERA_CUDA_CHECK(cudaEventRecord(im.copied, stream));

@@ -63,7 +63,7 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   layout_.partial_lse = place(rows * sizeof(float));
   layout_.total = at;
 
-  plan_.work.reserve(max_work_);
+  work_storage_.resize(max_work_);
   plan_.merges.reserve(max_slots_);
   plan_.requests.reserve(cap_.max_batch_size);
   plan_.slot_row_offset.reserve(max_slots_ + 1);
@@ -83,7 +83,9 @@ void DecodePlanner::write_image(void* image) const {
                           static_cast<int32_t>(plan_.merges.size()), plan_.num_slots(),
                           plan_.chunk_tokens};
   std::memcpy(base + layout_.header, &header, sizeof(header));
-  std::memcpy(base + layout_.work, plan_.work.data(), plan_.work.size() * sizeof(WorkItem));
+  if (plan_.work.data() != reinterpret_cast<const WorkItem*>(base + layout_.work)) {
+    std::memcpy(base + layout_.work, plan_.work.data(), plan_.work.size() * sizeof(WorkItem));
+  }
   std::memcpy(base + layout_.merges, plan_.merges.data(), plan_.merges.size() * sizeof(MergeRow));
   std::memcpy(base + layout_.slot_rows, plan_.slot_row_offset.data(),
               plan_.slot_row_offset.size() * sizeof(int64_t));
@@ -100,7 +102,8 @@ int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {
   return items * cap_.num_kv_heads;
 }
 
-const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_indptr) {
+const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_indptr,
+                                void* image) {
   const int32_t batch = kv.num_rows;
   if (batch > cap_.max_batch_size) {
     fail("kv_indptr", "batch size " + std::to_string(batch) + " exceeds the planner's max_batch_size " +
@@ -173,14 +176,18 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   }
   if (!std::is_sorted(keys_.begin(), keys_.end())) std::sort(keys_.begin(), keys_.end());
 
-  // Emit into the reserved buffers without reallocation.
+  // Emit into the image or the reserved storage, without reallocation.
   const int64_t num_items = items_for_chunk(chunk);
-  plan_.work.resize(num_items);
+  WorkItem* const work = image != nullptr
+                             ? reinterpret_cast<WorkItem*>(static_cast<unsigned char*>(image) + layout_.work)
+                             : work_storage_.data();
+  plan_.work.data_ = work;
+  plan_.work.size_ = static_cast<std::size_t>(num_items);
   plan_.merges.clear();
   plan_.slot_row_offset.assign(1, 0);
   plan_.chunk_tokens = any_split ? static_cast<int32_t>(chunk) : 0;
   plan_.wave_ctas = wave;
-  WorkItem* out = plan_.work.data();
+  WorkItem* out = work;
   for (int64_t key : keys_) {
     const int32_t r = static_cast<int32_t>(key & 0xffffffff);
     if (!has_query_[r]) continue;
@@ -211,6 +218,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       plan_.merges.push_back({r, h, first_slot, chunks});
     }
   }
+  if (image != nullptr) write_image(image);
   return plan_;
 }
 

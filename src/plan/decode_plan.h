@@ -72,8 +72,27 @@ struct MergeRow {  // one (request, KV head) whose chunk partials are merged int
   int32_t num_slots;
 };
 
+// The work list of a plan: a view of the planner's own storage, or of the image plan() emitted
+// it into (so the items are written once, straight into the pinned staging buffer).
+class WorkList {
+ public:
+  const WorkItem* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const WorkItem& operator[](std::size_t i) const { return data_[i]; }
+  const WorkItem& front() const { return data_[0]; }
+  const WorkItem& back() const { return data_[size_ - 1]; }
+  const WorkItem* begin() const { return data_; }
+  const WorkItem* end() const { return data_ + size_; }
+
+ private:
+  friend class DecodePlanner;
+  const WorkItem* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
 struct Plan {
-  std::vector<WorkItem> work;             // launch order
+  WorkList work;                          // launch order
   std::vector<MergeRow> merges;
   std::vector<RequestInfo> requests;      // [batch] (each work item carries its own copy)
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
@@ -113,8 +132,10 @@ class DecodePlanner {
   explicit DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy = {});
 
   // Plans one step. kv: the page table's BSR view (host); qo_indptr: host [batch + 1]. The result
-  // stays valid until the next call.
-  const Plan& plan(const format::BsrLayout& kv, const int32_t* qo_indptr);
+  // stays valid until the next call. With `image` (host memory of at least layout().plan_bytes
+  // bytes, ideally pinned), the whole plan image is written there as well, the work items
+  // directly (no second pass over them), and the result's work list points into it.
+  const Plan& plan(const format::BsrLayout& kv, const int32_t* qo_indptr, void* image = nullptr);
 
   // Upper bounds implied by the capacity: what the device workspace must hold.
   int32_t max_work_items() const { return max_work_; }
@@ -125,7 +146,8 @@ class DecodePlanner {
   std::size_t workspace_bytes() const { return layout_.total; }
 
   // Writes the last plan into `image` (host memory, at least layout().plan_bytes bytes, ideally
-  // pinned) at the layout's offsets, ready for one asynchronous copy to the workspace.
+  // pinned) at the layout's offsets, ready for one asynchronous copy to the workspace. (plan()
+  // with an image does this itself.)
   void write_image(void* image) const;
 
  private:
@@ -138,6 +160,7 @@ class DecodePlanner {
   int32_t max_slots_ = 0;
   WorkspaceLayout layout_;
   Plan plan_;
+  std::vector<WorkItem> work_storage_;  // the work list when plan() is given no image
   std::vector<int64_t> keys_;     // (INT32_MAX - kv_len) << 32 | request: longest first
   std::vector<int64_t> kv_len_;   // per request, this step: the keys it reads (its cost)
   std::vector<int32_t> first_key_;  // per request: its first key the window can see (0 without)

@@ -242,7 +242,7 @@ TEST(DecodePlan, DeterministicAndReusable) {
   Batch x(16, {5000, 1, 7000, 300, 0, 12345});
   Batch y(16, {100, 200});
   const Plan& pa = a.plan(x.bsr(), x.qo_indptr.data());
-  const std::vector<WorkItem> first(pa.work);
+  const std::vector<WorkItem> first(pa.work.begin(), pa.work.end());
   a.plan(y.bsr(), y.qo_indptr.data());  // a different step in between
   const Plan& again = a.plan(x.bsr(), x.qo_indptr.data());
   const Plan& pb = b.plan(x.bsr(), x.qo_indptr.data());
@@ -395,6 +395,24 @@ TEST(DecodePlan, WorkspaceLayoutAndPlanImage) {
   EXPECT_EQ(std::memcmp(image.data() + l.merges, plan.merges.data(), plan.merges.size() * sizeof(MergeRow)), 0);
   EXPECT_EQ(std::memcmp(image.data() + l.slot_rows, plan.slot_row_offset.data(),
                         plan.slot_row_offset.size() * sizeof(int64_t)), 0);
+}
+
+// plan() given the image writes the same bytes as plan() followed by write_image(), emitting the
+// work items straight into it, and its work list then points there.
+TEST(DecodePlan, PlanIntoTheImageEqualsWriteImage) {
+  const PlanCapacity cap = h200_decode(64, 2);
+  DecodePlanner direct(cap), copied(cap);
+  const WorkspaceLayout& l = direct.layout();
+  for (const Batch& b : {Batch(16, {40000, 3, 700, 0}, 2), Batch(16, {100, 200, 300}),
+                         Batch(1, std::vector<int64_t>(64, 4096))}) {
+    std::vector<unsigned char> a(l.plan_bytes, 0xAB), c(l.plan_bytes, 0xAB);
+    const Plan& pd = direct.plan(b.bsr(), b.qo_indptr.data(), a.data());
+    copied.plan(b.bsr(), b.qo_indptr.data());
+    copied.write_image(c.data());
+    EXPECT_EQ(std::memcmp(a.data(), c.data(), l.plan_bytes), 0);
+    EXPECT_EQ(static_cast<const void*>(pd.work.data()), static_cast<const void*>(a.data() + l.work));
+    ASSERT_GT(pd.work.size(), 0u);
+  }
 }
 
 }  // namespace
