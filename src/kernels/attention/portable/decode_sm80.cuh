@@ -22,6 +22,7 @@
 #include "core/once_per_device.h"
 #include "kernels/attention/decode_params.h"
 #include "kernels/attention/logits.cuh"
+#include "kernels/common/bulk_copy_sm90.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/vec8.cuh"
 #include "kernels/merge/merge_accumulator.cuh"
@@ -68,58 +69,6 @@ __device__ inline int page_index(const DecodeParams& p, int token) {
   return static_cast<int>((__umulhi(t, p.page_magic) + t) >> p.page_shift);
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Copies `count` blocks of `block_floats` floats, `src_stride` floats apart in global memory, to
-// consecutive blocks of shared memory with the bulk copy engine (cp.async.bulk, sm_90), completing
-// on an mbarrier. Block sizes and addresses are multiples of 16 bytes. The barrier is initialised
-// by the constructor and invalidated by release(); every thread of the CTA calls stage() and wait().
-struct BulkStaging {
-  uint32_t barrier;
-  uint32_t phase = 0;
-  __device__ explicit BulkStaging(uint64_t* bar) : barrier(smem_addr(bar)) {
-    if (threadIdx.x == 0) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(barrier));
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  }
-  __device__ void stage(const float* src, int64_t src_stride, float* dst, int block_floats, int count) {
-    // Earlier generic accesses to the staging area happen before the copy engine's writes.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      const uint32_t bytes = uint32_t(block_floats) * 4;
-      if (threadIdx.x == 0) {
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(barrier),
-                     "r"(bytes * uint32_t(count))
-                     : "memory");
-      }
-      __syncwarp();
-      for (int b = threadIdx.x; b < count; b += 32) {
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                smem_addr(dst + int64_t(b) * block_floats)),
-            "l"(src + b * src_stride), "r"(bytes), "r"(barrier)
-            : "memory");
-      }
-    }
-  }
-  __device__ void wait() {
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile(
-          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done)
-          : "r"(barrier), "r"(phase)
-          : "memory");
-    }
-    phase ^= 1;
-  }
-  __device__ void release() {
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
-  }
-};
-#endif
 
 // Merges the chunk partials of one split (request, KV head) into O / LSE: run by the CTA that
 // finished the request's last chunk. The partials are staged into shared memory with cp.async (a
