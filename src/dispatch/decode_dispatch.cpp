@@ -96,10 +96,6 @@ int decode_smem_bytes(int head_dim, int stages) {
 }  // namespace
 
 int decode_stages(int head_dim, int requested) {
-  if (requested != 0 && requested != 2 && requested != 3) {
-    throw Error("tessera::BatchDecoder: DecodeConfig.pipeline_stages must be 0 (automatic), 2 or 3, got " +
-                std::to_string(requested));
-  }
   const int smem_optin = shared_memory_per_block();
   for (int stages : {3, 2}) {
     if (requested != 0 && stages != requested) continue;

@@ -13,8 +13,9 @@ bool decode_compiled(DType dtype, int head_dim);
 void launch_decode(DType dtype, int head_dim, const kernels::DecodeParams& params,
                    const kernels::DecodeLaunch& launch, cudaStream_t stream);
 
-// K/V pipeline stages for the current GPU: `requested` (2 or 3) if its shared memory per block
-// holds that configuration, else a tessera::Error; requested 0 picks 3 where it fits, else 2.
+// K/V pipeline stages for the current GPU: `requested` (2 or 3; the API validated it) if its
+// shared memory per block holds that configuration, else a tessera::Error; requested 0 picks 3
+// where it fits, else 2.
 int decode_stages(int head_dim, int requested);
 
 // Resident decode CTAs per SM on the current GPU, from the kernel's registers and shared memory.

@@ -1,6 +1,7 @@
 #include "dispatch/prefill_dispatch.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <string>
 
@@ -100,9 +101,15 @@ std::atomic<int> g_shared_memory_limit{0};
 void limit_shared_memory_per_block(int bytes) { g_shared_memory_limit.store(bytes); }
 
 int shared_memory_per_block() {
-  int device = 0, optin = 0;
+  // Read once per device (it is fixed): this runs on every prefill launch.
+  static std::array<std::atomic<int>, 64> optin_of{};  // 0: not read yet
+  int device = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int optin = device < 64 ? optin_of[device].load(std::memory_order_relaxed) : 0;
+  if (optin == 0) {
+    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (device < 64) optin_of[device].store(optin, std::memory_order_relaxed);
+  }
   const int limit = g_shared_memory_limit.load();
   return limit > 0 ? std::min(limit, optin) : optin;
 }

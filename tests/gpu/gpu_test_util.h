@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/prefill_dispatch.h"
 #include "tessera/tessera.h"
 
 namespace tessera::testing {
@@ -185,6 +186,16 @@ class Stream {  // a non-blocking stream, destroyed on scope exit
 
  private:
   cudaStream_t s_ = nullptr;
+};
+
+// Imposes a shared-memory-per-block limit (what a smaller GPU has) for the scope, lifting it
+// however the scope ends: the kernels' tile choices then follow that GPU's.
+class SharedMemoryLimit {
+ public:
+  explicit SharedMemoryLimit(int bytes) { dispatch::limit_shared_memory_per_block(bytes); }
+  ~SharedMemoryLimit() { dispatch::limit_shared_memory_per_block(0); }
+  SharedMemoryLimit(const SharedMemoryLimit&) = delete;
+  SharedMemoryLimit& operator=(const SharedMemoryLimit&) = delete;
 };
 
 }  // namespace tessera::testing

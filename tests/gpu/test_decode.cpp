@@ -269,10 +269,7 @@ TEST(GpuDecode, TwoStagePipeline) {
 // fit; forcing 3 there is an error naming the field.
 TEST(GpuDecode, StagesFollowSharedMemory) {
   TESSERA_REQUIRE_GPU();
-  struct Limit {
-    Limit() { dispatch::limit_shared_memory_per_block(99 * 1024); }
-    ~Limit() { dispatch::limit_shared_memory_per_block(0); }
-  } limit;
+  const SharedMemoryLimit limit(99 * 1024);  // sm_86 / sm_89
   DecodeCase c;
   pick_compiled(c.kv.head_dim, c.kv.dtype);
   c.kv.page_size = 16;

@@ -223,10 +223,7 @@ TEST(GpuPrefill, ForcedPaths) {
 // (the default one needs 130 KB); here the limit is imposed on this GPU to run that shape.
 TEST(GpuPrefill, CompactTileShapeForLessSharedMemory) {
   TESSERA_REQUIRE_GPU();
-  struct Limit {  // lifts the limit however the test ends
-    Limit() { dispatch::limit_shared_memory_per_block(99 * 1024); }
-    ~Limit() { dispatch::limit_shared_memory_per_block(0); }
-  } limit;
+  const SharedMemoryLimit limit(99 * 1024);  // sm_86 / sm_89
   uint32_t seed = 400;
   for (int hd : dispatch::compiled_prefill_head_dims()) {
     PrefillCase c;

@@ -156,6 +156,17 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   }
   cp_async_commit();
 
+  // K(tile + 1) into the K tile, once V(tile) has landed and every warp is done with K(tile):
+  // right after S(tile) (kEarlyKeyLoad) or after the softmax.
+  auto request_next_keys = [&](int tile) {
+    const int n1 = (tile + 1) * kBlockN;
+    if (tile + 1 < end_tile) kv.publish_rows(p, n1, (tile + 1) & 1);
+    cp_async_wait<0>();
+    __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
+    if (tile + 1 < end_tile) kv.load(p, k_tile, n1, (tile + 1) & 1, KVPart::kKeys);
+    cp_async_commit();
+  };
+
   const Logits logits(p.scale, p.soft_cap);
   for (int tile = first_tile; tile < end_tile; ++tile) {
     const int n0 = tile * kBlockN;
@@ -184,13 +195,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       }
     }
 
-    if constexpr (Config::kEarlyKeyLoad) {
-      if (tile + 1 < end_tile) kv.publish_rows(p, n0 + kBlockN, (tile + 1) & 1);
-      cp_async_wait<0>();
-      __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
-      if (tile + 1 < end_tile) kv.load(p, k_tile, n0 + kBlockN, (tile + 1) & 1, KVPart::kKeys);
-      cp_async_commit();
-    }
+    if constexpr (Config::kEarlyKeyLoad) request_next_keys(tile);
 
     // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
     // pay for the per-element test.
@@ -261,13 +266,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
           for (int e = 0; e < 4; ++e) o_acc[mt][d][e] *= rescale[mt][e / 2];
     }
 
-    if constexpr (!Config::kEarlyKeyLoad) {
-      if (tile + 1 < end_tile) kv.publish_rows(p, n0 + kBlockN, (tile + 1) & 1);
-      cp_async_wait<0>();
-      __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
-      if (tile + 1 < end_tile) kv.load(p, k_tile, n0 + kBlockN, (tile + 1) & 1, KVPart::kKeys);
-      cp_async_commit();
-    }
+    if constexpr (!Config::kEarlyKeyLoad) request_next_keys(tile);
 
     // O += P V, P taken straight from the S accumulators (two 8-key tiles make one k16 A tile).
 #pragma unroll
