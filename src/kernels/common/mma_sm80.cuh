@@ -26,6 +26,19 @@ __device__ inline void cp_async_16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(src_bytes));
 }
+// An L2 policy that evicts first the lines it tags: for data read exactly once (decode's K/V
+// stream), so that it does not push out what is reused (the kernel's partial states, the page table).
+__device__ inline uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+// cp_async_16 with an L2 cache policy (l2_evict_first_policy).
+__device__ inline void cp_async_16(void* smem, const void* gmem, bool valid, uint64_t l2_policy) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr(smem)),
+               "l"(gmem), "r"(src_bytes), "l"(l2_policy));
+}
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ inline void cp_async_wait() {

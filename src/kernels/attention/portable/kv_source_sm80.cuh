@@ -13,7 +13,8 @@
 // strides (the usual case) only the K offsets are published and V uses them (+3-4% at hd128).
 // Measured against the ragged kernel:
 // page arithmetic per 16-byte chunk 0.84-0.87; ids loaded into registers one tile ahead 0.96 at
-// hd128 but 0.86-0.88 at hd64 / hd256, whose shorter S = QK^T did not hide the load.
+// hd128 but 0.86-0.88 at hd64 / hd256, whose shorter S = QK^T did not hide the load; offsets in
+// shared memory 0.88-0.90; all of a thread's offsets read before its first copy 0.94-0.96.
 // The parameters are passed to every call rather than kept by address: taking the address of a
 // kernel parameter copies the whole struct to local memory.
 #pragma once
@@ -97,8 +98,7 @@ struct RaggedKV {
   }
 };
 
-// kFullTileCopy: tiles wholly inside the request skip the per-row validity test.
-template <typename T, int kBlockN, int kHeadDim, int kThreads, bool kFullTileCopy>
+template <typename T, int kBlockN, int kHeadDim, int kThreads>
 struct PagedKV {
   static_assert(kBlockN <= kThreads, "one thread per row of a tile");
   // Page ids of two tiles' rows, then element offsets of two tiles' rows in K and in V.
@@ -150,25 +150,32 @@ struct PagedKV {
       }
     }
   }
+  // Thread c copies chunk c % kChunksPerRow of rows c / kChunksPerRow + i * kRowsPerPass. Every
+  // row's offset is a valid address (rows past kv_len repeat the last row's), so the offsets are
+  // all read before the first copy is issued: read one by one, each copy waited on its shared
+  // load (ncu at hd64: short-scoreboard stalls 15% of the paged kernel's samples against 7% of
+  // the ragged kernel's).
   __device__ void load(const PrefillParams& p, const SwizzledTile<T, kBlockN, kHeadDim>& tile,
                        int n0, int buf, KVPart part) const {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    constexpr int kPasses = kBlockN / kRowsPerPass;
+    static_assert(kThreads % kChunksPerRow == 0 && kBlockN % kRowsPerPass == 0,
+                  "each pass of the threads covers whole rows");
     const bool keys = part == KVPart::kKeys;
     const T* base = static_cast<const T*>(keys ? p.k : p.v);
     const int64_t* offsets = row_offsets + buf * 2 * kBlockN + (keys || same_layout(p) ? 0 : kBlockN);
-    if (kFullTileCopy && n0 + kBlockN <= kv_len) {
-      constexpr int kChunksPerRow = kHeadDim / 8;
-      constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-      const int row = threadIdx.x / kChunksPerRow;
-      const int col = (threadIdx.x % kChunksPerRow) * 8;
+    const int row = threadIdx.x / kChunksPerRow;
+    const int col = (threadIdx.x % kChunksPerRow) * 8;
+    int64_t row_offset[kPasses];
 #pragma unroll
-      for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
-        const int r = row + i * kRowsPerPass;
-        cp_async_16(tile.at(r, col), base + offsets[r] + col, true);
-      }
-      return;
+    for (int i = 0; i < kPasses; ++i) row_offset[i] = offsets[row + i * kRowsPerPass];
+    const int valid_rows = kv_len - n0;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = row + i * kRowsPerPass;
+      cp_async_16(tile.at(r, col), base + row_offset[i] + col, r < valid_rows);
     }
-    copy_tile_rows<T, kBlockN, kHeadDim, kThreads>(tile, kv_len - n0,
-                                                   [&](int r) { return base + offsets[r]; });
   }
 };
 

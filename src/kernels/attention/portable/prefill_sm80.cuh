@@ -29,8 +29,8 @@ namespace tessera::kernels::sm80 {
 // - hd256 takes FA2's shape: 8 warps of 16 rows, 64-key tiles, one CTA per SM, and K(j+1)
 //   requested right after S(j) (297 vs 281 for 4 warps with 32-key tiles, 292 with the later load).
 // - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
-//   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles do the
-//   same at hd128 only (+1.5%; -2% at hd64 and hd256).
+//   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles read
+//   all their rows' offsets before issuing the copies (kv_source_sm80.cuh).
 // kCompact: the shape for GPUs whose shared memory per block is too small for the default one
 // (99 KB on sm_86 / sm_89; the wide hd256 tile needs 130 KB): hd256 keeps 4 warps and 32-key tiles
 // (66 KB). Identical to the default at hd64 / hd128.
@@ -48,7 +48,6 @@ struct PrefillConfig {
   static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
   static constexpr bool kEarlyKeyLoad = kWide;  // K(j+1) requested after S(j), not after softmax
   static constexpr bool kRaggedFullTileCopy = kHeadDim != 64;
-  static constexpr bool kPagedFullTileCopy = kHeadDim == 128;
 };
 
 // The band of keys a query row may see: [key_begin(i), key_end(i)).
@@ -347,7 +346,7 @@ void launch_prefill_config(const PrefillParams& p, cudaStream_t stream) {
                                            : dim3(m_tiles, p.batch_size, p.num_qo_heads);
   constexpr int kHeadDim = Config::kHeadDim;
   using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kRaggedFullTileCopy>;
-  using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kPagedFullTileCopy>;
+  using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
   if (p.soft_cap > 0.f) {
     if (p.paged) launch_prefill_variant<T, Config, SoftCappedLogits, Paged>(params, grid, stream);
     else launch_prefill_variant<T, Config, SoftCappedLogits, Ragged>(params, grid, stream);
@@ -362,8 +361,8 @@ template <int kHeadDim>
 int prefill_smem_bytes(bool compact) {
   auto bytes = [](auto config) {
     using Config = decltype(config);
-    return Config::kSmemBytes + PagedKV<__nv_bfloat16, Config::kBlockN, kHeadDim, Config::kThreads,
-                                        false>::kSmemBytes;
+    return Config::kSmemBytes +
+           PagedKV<__nv_bfloat16, Config::kBlockN, kHeadDim, Config::kThreads>::kSmemBytes;
   };
   return compact ? bytes(PrefillConfig<kHeadDim, true>{}) : bytes(PrefillConfig<kHeadDim, false>{});
 }
