@@ -55,7 +55,7 @@ struct DecodeTileConfig {
   static constexpr bool kQInRegisters = kHeadDim <= 128;
   static_assert(kThreads % kChunksPerRow == 0 && kBlockN % kRowStep == 0, "copy layout");
   static_assert(kWarps * kRows * kScratchStride * 4 <= kStages * kStageBytes &&
-                    (kThreads * 8 + kThreads / (kHeadDim / 8) * (kHeadDim + 1)) * 4 <=
+                    (kThreads * 4 + kThreads / (kHeadDim / 4) * (kHeadDim + 1)) * 4 <=
                         kStages * kStageBytes,
                 "the combine and merge scratch reuse the stages");
 };
@@ -114,16 +114,17 @@ __device__ inline MergeRowStats reduce_row_lses(const float* lse, int64_t stride
 // finished the request's last chunk. Closed form: per row, O = sum_s w_s o_s with
 // w_s = e^(lse_s - max) / sum_t e^(lse_t - max), so the slots' multiply-adds are independent (an
 // online max/rescale per slot chained them: 17 dependent steps took 1.6 us at batch 1 x 32K).
-// Per round of rows: the partial rows are staged into shared memory (one bulk copy per slot on
-// sm_90, 16-byte cp.async before), while one warp per row reduces its LSEs from global memory;
-// then each (row, 8-element vector) is accumulated by `lanes` threads over interleaved slots,
-// whose sums are added in a fixed order: the result does not depend on which CTA merges.
+// Per round of rows: the partial rows are staged into shared memory (bulk copies on sm_90,
+// 16-byte cp.async before), while one warp per row reduces its LSEs from global memory; the
+// slots' weights replace their staged LSEs; then each (row, 4-element vector) is accumulated by
+// `lanes` threads over interleaved slots, whose sums are added in a fixed order: the result does
+// not depend on which CTA merges.
 template <typename T, int kHeadDim, int kThreads>
 __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow& m,
                                      const plan::RequestInfo& req, int group, float* scratch,
                                      int scratch_floats) {
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr int kVecs = kHeadDim / 8;
+  constexpr int kVecs = kHeadDim / 4;  // a thread owns 4 consecutive elements of a row
   constexpr int kWarps = kThreads / 32;
   constexpr int kRoundRows = kThreads / kVecs;  // rows of a round when one thread owns a vector
   static_assert(kThreads % kVecs == 0, "a round of pairs covers whole rows");
@@ -133,7 +134,7 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
   const int lanes = pairs >= kThreads ? 1 : kThreads / pairs;
   const int per_round = kThreads / lanes;
   const int64_t first_row = p.slot_rows[m.first_slot];
-  float* stash = scratch + scratch_floats - kThreads * 8;
+  float* stash = scratch + scratch_floats - kThreads * 4;
   float* staged = scratch;  // [slot][row of this base][kHeadDim], then the LSEs [slot][row]
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ __align__(8) uint64_t bulk_barrier;
@@ -148,18 +149,20 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
     const int u = base + threadIdx.x % per_round;
     const int lane = threadIdx.x / per_round;
     const bool active = u < pairs && lane < lanes;
-    const int rr = u / kVecs, col = (u % kVecs) * 8;
+    const int rr = u / kVecs, col = (u % kVecs) * 4;
     const int slot_floats = nrows * (kHeadDim + 1);
-    const int max_slots = (scratch_floats - kThreads * 8) / slot_floats;
-    float acc[8] = {};
+    const int max_slots = (scratch_floats - kThreads * 4) / slot_floats;
+    float acc[4] = {};
     for (int s0 = 0; s0 < m.num_slots; s0 += max_slots) {
       const int n = min(max_slots, m.num_slots - s0);
       float* staged_lse = staged + n * nrows * kHeadDim;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      // One bulk copy per slot (its rows are contiguous): 16-byte cp.async copies of 33 slots took
-      // 3.6 us at batch 1 x 32K, one SM's fetch rate; the bulk copy engine moves them at once.
-      bulk.stage(p.partial_o + (first_row + int64_t(s0) * rows + row0) * kHeadDim, int64_t(rows) * kHeadDim,
-                 staged, nrows * kHeadDim, n);
+      // Bulk copies: 16-byte cp.async copies of 33 slots took 3.6 us at batch 1 x 32K, one SM's
+      // fetch rate. When the round holds all the rows, its slots are one contiguous block and take
+      // one copy (one per slot took 1.4 us to issue at 33 slots: the issue is serial).
+      const float* first = p.partial_o + (first_row + int64_t(s0) * rows + row0) * kHeadDim;
+      if (nrows == rows) bulk.stage(first, 0, staged, n * rows * kHeadDim, 1);
+      else bulk.stage(first, int64_t(rows) * kHeadDim, staged, nrows * kHeadDim, n);
 #else
       const int chunks_per_slot = nrows * kHeadDim / 4;
       for (int c = threadIdx.x; c < n * chunks_per_slot; c += kThreads) {
@@ -185,50 +188,51 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
       bulk.wait();
 #endif
       __syncthreads();
+      // The slots' weights e^(lse - max), in place of their LSEs. A slot at -inf weighs 0 (its o
+      // was written as zeros: no visible key).
+      for (int c = threadIdx.x; c < n * nrows; c += kThreads) {
+        const float lse = staged_lse[c];
+        staged_lse[c] = lse > -INFINITY ? exp2f((lse - row_stats[c % nrows].max_lse) * kLog2e) : 0.f;
+      }
+      __syncthreads();
       if (active) {
-        const float max_lse = row_stats[rr - row0].max_lse;
 #pragma unroll 4
         for (int s = lane; s < n; s += lanes) {
-          const float lse = staged_lse[s * nrows + rr - row0];
-          if (!(lse > -INFINITY)) continue;  // contributes nothing (its o is never read)
-          const float w = exp2f((lse - max_lse) * kLog2e);
-          const float* o_src = staged + (s * nrows + rr - row0) * kHeadDim + col;
-          const float4 lo = *reinterpret_cast<const float4*>(o_src);
-          const float4 hi = *reinterpret_cast<const float4*>(o_src + 4);
-          acc[0] = fmaf(w, lo.x, acc[0]);
-          acc[1] = fmaf(w, lo.y, acc[1]);
-          acc[2] = fmaf(w, lo.z, acc[2]);
-          acc[3] = fmaf(w, lo.w, acc[3]);
-          acc[4] = fmaf(w, hi.x, acc[4]);
-          acc[5] = fmaf(w, hi.y, acc[5]);
-          acc[6] = fmaf(w, hi.z, acc[6]);
-          acc[7] = fmaf(w, hi.w, acc[7]);
+          const float w = staged_lse[s * nrows + rr - row0];
+          // Consecutive threads read consecutive 16 bytes: no bank conflicts (8-element vectors
+          // read as two float4 32 bytes apart were 2-way conflicted; the fold took 1.2 us at 33
+          // slots).
+          const float4 o = *reinterpret_cast<const float4*>(staged + (s * nrows + rr - row0) * kHeadDim + col);
+          acc[0] = fmaf(w, o.x, acc[0]);
+          acc[1] = fmaf(w, o.y, acc[1]);
+          acc[2] = fmaf(w, o.z, acc[2]);
+          acc[3] = fmaf(w, o.w, acc[3]);
         }
       }
       __syncthreads();  // the staging area is refilled by the next round
     }
     if (lanes > 1) {  // uniform over the CTA: the lanes' sums, added in lane order
 #pragma unroll
-      for (int e = 0; e < 8; ++e) stash[threadIdx.x * 8 + e] = acc[e];
+      for (int e = 0; e < 4; ++e) stash[threadIdx.x * 4 + e] = acc[e];
       __syncthreads();
       if (active && lane == 0) {
         for (int i = 1; i < lanes; ++i) {
-          const float* theirs = stash + (i * per_round + threadIdx.x % per_round) * 8;
+          const float* theirs = stash + (i * per_round + threadIdx.x % per_round) * 4;
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] += theirs[e];
+          for (int e = 0; e < 4; ++e) acc[e] += theirs[e];
         }
       }
       __syncthreads();
     }
     if (active && lane == 0) {
       const MergeRowStats st = row_stats[rr - row0];
-      float out[8];
+      float out[4];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = st.nan ? NAN : acc[e] * st.inv_sum;
+      for (int e = 0; e < 4; ++e) out[e] = st.nan ? NAN : acc[e] * st.inv_sum;
       const int64_t q_row = req.q_start + rr / group;
       const int head = m.kv_head * group + rr % group;
-      Vec8<T>::from_float(out).store(static_cast<T*>(p.o) + q_row * p.o_stride_row +
-                                     head * p.o_stride_head + col);
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.o) + q_row * p.o_stride_row + head * p.o_stride_head + col) =
+          make_uint2(pack2<T>(out[0], out[1]), pack2<T>(out[2], out[3]));
       if (p.lse != nullptr && col == 0) p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = st.lse;
     }
     __syncthreads();  // row_stats is rewritten by the next round
