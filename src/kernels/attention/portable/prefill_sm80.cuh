@@ -28,6 +28,8 @@ namespace tessera::kernels::sm80 {
 //   hd128 (323 vs 326 at 32 rows per warp); capping registers for 3 CTAs/SM lost 5-10%.
 // - hd256 takes FA2's shape: 8 warps of 16 rows, 64-key tiles, one CTA per SM, and K(j+1)
 //   requested right after S(j) (297 vs 281 for 4 warps with 32-key tiles, 292 with the later load).
+// - At hd64 the softmax's row max and sum are reduced as trees: the chain of 16 dependent adds
+//   per row was exposed with two warps per scheduler (+1.1% at hd64; hd128 lost 1.3%, hd256 even).
 // - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
 //   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles read
 //   all their rows' offsets before issuing the copies (kv_source_sm80.cuh).
@@ -48,7 +50,20 @@ struct PrefillConfig {
   static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
   static constexpr bool kEarlyKeyLoad = kWide;  // K(j+1) requested after S(j), not after softmax
   static constexpr bool kRaggedFullTileCopy = kHeadDim != 64;
+  // The softmax's row max and row sum as trees rather than chains (prefill_portable.md v10).
+  static constexpr bool kTreeRowReductions = kHeadDim == 64;
 };
+
+// op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
+template <int kN, typename Leaf, typename Op>
+__device__ __forceinline__ float tree_reduce(Leaf leaf, Op op) {
+  static_assert(kN > 0 && (kN & (kN - 1)) == 0, "a power of two");
+  if constexpr (kN == 1) {
+    return leaf(0);
+  } else {
+    return op(tree_reduce<kN / 2>(leaf, op), tree_reduce<kN / 2>([&](int j) { return leaf(j + kN / 2); }, op));
+  }
+}
 
 // The band of keys a query row may see: [key_begin(i), key_end(i)).
 struct MaskBand {
@@ -231,9 +246,14 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
+        auto pair_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
         float m = row_max[mt][r];
+        if constexpr (Config::kTreeRowReductions) {
+          m = fmaxf(m, tree_reduce<kNTiles>(pair_max, [](float a, float b) { return fmaxf(a, b); }));
+        } else {
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+          for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, pair_max(j));
+        }
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
@@ -247,8 +267,12 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
             s[mt][j][e] = exp2_approx(fmaf(s[mt][j][e], logits.log2_scale, -m_scaled));
-            sum += s[mt][j][e];
+            if constexpr (!Config::kTreeRowReductions) sum += s[mt][j][e];
           }
+        }
+        if constexpr (Config::kTreeRowReductions) {
+          sum = tree_reduce<kNTiles>([&](int j) { return s[mt][j][2 * r] + s[mt][j][2 * r + 1]; },
+                                     [](float a, float b) { return a + b; });
         }
         row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + sum;
       }
