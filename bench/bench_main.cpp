@@ -512,7 +512,8 @@ int main(int argc, char** argv) {
   try {
     if (suite == "ceiling") {
       const Ceilings c = measure_ceilings();
-      std::printf("{\"gpu\": \"%s\", \"copy\": %.4f, \"read\": %.4f}\n", info.name.c_str(), c.copy_tbs, c.read_tbs);
+      std::printf("{\"gpu\": \"%s\", \"copy\": %.4f, \"read\": %.4f, \"launch_us\": %.3f}\n", info.name.c_str(),
+                  c.copy_tbs, c.read_tbs, c.launch_us);
       return 0;
     }
     if (suite == "append") return bench_append(a);

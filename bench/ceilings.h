@@ -8,6 +8,7 @@ namespace tessera::bench {
 struct Ceilings {
   double copy_tbs = 0;  // device-to-device copy, read + write
   double read_tbs = 0;  // read-only streaming
+  double launch_us = 0; // an empty one-wave kernel: the per-launch floor of the timing method
 };
 
 Ceilings measure_ceilings();

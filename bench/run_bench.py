@@ -3,7 +3,8 @@
 
   python3 bench/run_bench.py --bench build/bench/tessera_bench --cases bench/cases --out OUT.json
 
-Measures the memory ceilings (`copy`, `read`) once with tessera_bench, then runs every case of the
+Measures the memory ceilings (`copy`, `read`) and the per-launch floor of the timing method
+(`launch_us`, an empty one-wave kernel) once with tessera_bench, then runs every case of the
 suites tessera implements, one process per case, and writes
   {"commit", "gpu", "date", "records": [{suite, case, metric, tessera, peers, ceiling, params}]}.
 bench/peers.py --merge-into OUT.json then adds the peers measured in the same run.
@@ -16,7 +17,7 @@ import subprocess
 import sys
 
 # Suites with a tessera benchmark, and the ceilings their records are compared with.
-TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"], "decode": ["copy", "read"],
+TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"], "decode": ["copy", "read", "launch_us"],
                   "prefill_portable": [], "prefill": [], "prefill_paged": [], "memory": []}
 
 
@@ -88,7 +89,8 @@ def main():
 
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"copy ceiling {ceiling['copy']:.2f} TB/s, read ceiling {ceiling['read']:.2f} TB/s")
+    print(f"copy ceiling {ceiling['copy']:.2f} TB/s, read ceiling {ceiling['read']:.2f} TB/s, "
+          f"launch floor {ceiling['launch_us']:.2f} us")
     for r in results["records"]:
         t = r["tessera"]
         ratio = "" if t is None or "copy" not in r["ceiling"] else f"  {t / r['ceiling']['copy']:.1%} of copy"
