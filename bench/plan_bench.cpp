@@ -49,7 +49,7 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
   // (what BatchDecoder::plan does before enqueueing the copy; the work items go straight there).
   std::vector<unsigned char> image(planner.layout().plan_bytes);
   std::vector<double> us(iterations), with_image(iterations);
-  size_t items = 0;
+  size_t items = 0, tasks = 0;
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     const plan::Plan& p = planner.plan(bsr, t.qo.data());
@@ -57,14 +57,16 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
     planner.plan(bsr, t.qo.data(), image.data());
     const auto t2 = std::chrono::steady_clock::now();
     items = p.work.size();
+    tasks = static_cast<size_t>(p.num_tasks);
     us[i] = std::chrono::duration<double, std::micro>(t1 - t0).count();
     with_image[i] = std::chrono::duration<double, std::micro>(t2 - t1).count();
   }
   std::nth_element(us.begin(), us.begin() + iterations / 2, us.end());
   std::nth_element(with_image.begin(), with_image.begin() + iterations / 2, with_image.end());
   std::printf("{\"suite\": \"plan\", \"case\": \"%s\", \"metric\": \"us\", \"tessera\": %.3f, "
-              "\"with_image_us\": %.3f, \"image_bytes\": %zu, \"work_items\": %zu, \"requests\": %zu}\n",
-              name, us[iterations / 2], with_image[iterations / 2], image.size(), items, kv_len.size());
+              "\"with_image_us\": %.3f, \"image_bytes\": %zu, \"work_items\": %zu, \"tasks\": %zu, "
+              "\"requests\": %zu}\n",
+              name, us[iterations / 2], with_image[iterations / 2], image.size(), items, tasks, kv_len.size());
 }
 
 }  // namespace

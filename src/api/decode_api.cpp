@@ -217,10 +217,10 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
   im.total_q = host_qo_indptr[batch];
   im.total_pages = total_pages;
   im.checked_num_pages = num_pages;
-  im.info.num_work_items = static_cast<int>(plan.work.size());
+  im.info.num_work_items = plan.num_tasks;
   im.info.num_split_requests = static_cast<int>(plan.merges.size());
   im.info.chunk_tokens = plan.chunk_tokens;
-  im.info.grid_ctas = static_cast<int>(plan.work.size());
+  im.info.grid_ctas = plan.num_tasks;
 }
 
 void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const PageTable& table,

@@ -79,7 +79,7 @@ int64_t DecodePlanner::max_partial_rows() const {
 
 void DecodePlanner::write_image(void* image) const {
   auto* base = static_cast<unsigned char*>(image);
-  const PlanHeader header{static_cast<int32_t>(plan_.work.size()),
+  const PlanHeader header{plan_.num_tasks,
                           static_cast<int32_t>(plan_.merges.size()), plan_.num_slots(),
                           plan_.chunk_tokens};
   std::memcpy(base + layout_.header, &header, sizeof(header));
@@ -177,12 +177,9 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   if (!std::is_sorted(keys_.begin(), keys_.end())) std::sort(keys_.begin(), keys_.end());
 
   // Emit into the image or the reserved storage, without reallocation.
-  const int64_t num_items = items_for_chunk(chunk);
   WorkItem* const work = image != nullptr
                              ? reinterpret_cast<WorkItem*>(static_cast<unsigned char*>(image) + layout_.work)
                              : work_storage_.data();
-  plan_.work.data_ = work;
-  plan_.work.size_ = static_cast<std::size_t>(num_items);
   plan_.merges.clear();
   plan_.slot_row_offset.assign(1, 0);
   plan_.chunk_tokens = any_split ? static_cast<int32_t>(chunk) : 0;
@@ -194,30 +191,34 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
     const int32_t first = first_key_[r];
     if (len <= chunk) {
-      WorkItem item{r, 0, first, first + len, -1, -1, plan_.requests[r]};
-      for (int32_t h = 0; h < cap_.num_kv_heads; ++h, ++out) {
-        item.kv_head = h;
-        *out = item;
-      }
+      *out++ = WorkItem{r, first, first + len, -1, -1, 0, plan_.requests[r]};
       continue;
     }
+    // Chunk c of KV head h parks in slot first_slot + h x chunks + c: each head's merge row holds
+    // consecutive slots.
     const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
     const int32_t chunks = static_cast<int32_t>((len + chunk - 1) / chunk);
-    WorkItem item{r, 0, 0, 0, 0, 0, plan_.requests[r]};
+    const int32_t first_slot = plan_.num_slots();
+    const int32_t first_merge = static_cast<int32_t>(plan_.merges.size());
+    for (int32_t c = 0; c < chunks; ++c) {
+      *out++ = WorkItem{r,
+                        first + static_cast<int32_t>(c * chunk),
+                        first + static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk, len)),
+                        first_slot + c,
+                        first_merge,
+                        chunks,
+                        plan_.requests[r]};
+    }
     for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
-      const int32_t first_slot = plan_.num_slots();
-      item.kv_head = h;
-      item.merge = static_cast<int32_t>(plan_.merges.size());
-      for (int32_t c = 0; c < chunks; ++c, ++out) {
-        item.kv_begin = first + static_cast<int32_t>(c * chunk);
-        item.kv_end = first + static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk, len));
-        item.partial_slot = first_slot + c;
-        *out = item;
+      plan_.merges.push_back({r, h, first_slot + h * chunks, chunks});
+      for (int32_t c = 0; c < chunks; ++c) {
         plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
       }
-      plan_.merges.push_back({r, h, first_slot, chunks});
     }
   }
+  plan_.work.data_ = work;
+  plan_.work.size_ = static_cast<std::size_t>(out - work);
+  plan_.num_tasks = static_cast<int32_t>(plan_.work.size()) * cap_.num_kv_heads;
   if (image != nullptr) write_image(image);
   return plan_;
 }

@@ -9,8 +9,11 @@
 // when even unsplit requests overfill the wave, only requests longer than the average load per
 // CTA slot are split, to that length, so a skewed batch's few long requests do not form the tail.
 // Requests no longer than the chunk write their output directly; longer ones are split into chunks
-// merged afterwards. Work is ordered longest first (ties by request, then head); the decode kernel
-// launches one CTA per item, so the hardware hands items to SMs as they free up.
+// merged afterwards. Work is ordered longest first (ties by request, then chunk). A work item
+// covers every KV head of its token range: the decode kernel runs one CTA task per (item, KV
+// head), task t being item t / num_kv_heads and head t % num_kv_heads, so the hardware hands
+// tasks to SMs as they free up. (One item per head made the planner write num_kv_heads times the
+// bytes: 2048 items of 40 bytes at 256 requests x 8 KV heads, most of its time.)
 //
 // Requests with no query token this step get no work. Deterministic, allocation-free after
 // construction (every buffer is sized from PlanCapacity, so
@@ -52,15 +55,36 @@ struct RequestInfo {
   int32_t page_begin;  // kv_indptr[r]: its first entry of kv_indices
 };
 
-struct WorkItem {  // one CTA: one request's query rows for one KV head over a token range
+struct WorkItem {  // one request's query rows over a token range, for every KV head
   int32_t request;
-  int32_t kv_head;
   int32_t kv_begin;      // tokens [kv_begin, kv_end) of the request's KV (a window starts late)
   int32_t kv_end;
-  int32_t partial_slot;  // -1: writes O / LSE directly; else its partial-state slot
-  int32_t merge;         // its merge row when split (-1 otherwise)
+  int32_t partial_slot;  // -1: writes O / LSE directly; else KV head 0's partial-state slot
+  int32_t merge;         // KV head 0's merge row when split (-1 otherwise)
+  int32_t slot_stride;   // split: KV head h's slot is partial_slot + h x slot_stride, its merge
+                         // row merge + h
   RequestInfo req;
 };
+
+// What one CTA task of the decode kernel does: a work item for one KV head.
+struct Task {
+  int32_t request;
+  int32_t kv_head;
+  int32_t kv_begin;
+  int32_t kv_end;
+  int32_t partial_slot;  // -1: writes O / LSE directly
+  int32_t merge;         // -1 unless split
+};
+
+// The task `kv_head` of work item `w` (the decode kernel derives it the same way).
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline Task task_of(const WorkItem& w, int32_t kv_head) {
+  const bool split = w.partial_slot >= 0;
+  return {w.request, kv_head, w.kv_begin, w.kv_end, split ? w.partial_slot + kv_head * w.slot_stride : -1,
+          split ? w.merge + kv_head : -1};
+}
 
 // The slots of one merge row are consecutive (first_slot .. first_slot + num_slots - 1) and hold
 // the same rows (the request's qo_len x group), so slot s's rows start at
@@ -92,7 +116,8 @@ class WorkList {
 };
 
 struct Plan {
-  WorkList work;                          // launch order
+  WorkList work;                          // launch order; each item runs once per KV head
+  int32_t num_tasks = 0;                  // work items x KV heads: the CTAs' worth of work
   std::vector<MergeRow> merges;
   std::vector<RequestInfo> requests;      // [batch] (each work item carries its own copy)
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
@@ -100,6 +125,14 @@ struct Plan {
   int32_t wave_ctas = 0;                  // num_sms x ctas_per_sm the plan was balanced for
 
   int32_t num_slots() const { return static_cast<int32_t>(slot_row_offset.size()) - 1; }
+  // Every task in launch order (task t = item t / heads, head t % heads). For tests and tools.
+  std::vector<Task> tasks() const {
+    std::vector<Task> all;
+    const int32_t heads = work.empty() ? 0 : num_tasks / static_cast<int32_t>(work.size());
+    for (const WorkItem& w : work)
+      for (int32_t h = 0; h < heads; ++h) all.push_back(task_of(w, h));
+    return all;
+  }
   int64_t partial_rows() const { return slot_row_offset.back(); }
 };
 
@@ -108,7 +141,7 @@ struct Plan {
 // The plan arrays come first, so one host-to-device copy of the first `plan_bytes` bytes carries
 // the whole plan; the fp32 partial states of split chunks follow.
 struct PlanHeader {
-  int32_t num_work;
+  int32_t num_work;  // tasks: work items x KV heads
   int32_t num_merges;
   int32_t num_slots;
   int32_t chunk_tokens;
@@ -116,7 +149,7 @@ struct PlanHeader {
 
 struct WorkspaceLayout {
   std::size_t header = 0;       // PlanHeader
-  std::size_t work = 0;         // WorkItem[max_work_items]
+  std::size_t work = 0;         // WorkItem[max_work_items] (at most one item per task)
   std::size_t merges = 0;       // MergeRow[max_slots]
   std::size_t slot_rows = 0;    // int64_t[max_slots + 1]
   std::size_t merge_counters = 0;  // int32_t[max_slots]: chunks finished per merge row, zeroed
@@ -137,7 +170,8 @@ class DecodePlanner {
   // directly (no second pass over them), and the result's work list points into it.
   const Plan& plan(const format::BsrLayout& kv, const int32_t* qo_indptr, void* image = nullptr);
 
-  // Upper bounds implied by the capacity: what the device workspace must hold.
+  // Upper bounds implied by the capacity: what the device workspace must hold. max_work_items
+  // bounds the tasks (a captured launch's grid) and so the items too.
   int32_t max_work_items() const { return max_work_; }
   int32_t max_slots() const { return max_slots_; }
   int64_t max_partial_rows() const;

@@ -55,8 +55,11 @@ void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
   const int32_t batch = static_cast<int32_t>(b.last.size());
   const int32_t group = cap.num_qo_heads / cap.num_kv_heads;
   const format::BsrLayout kv = b.bsr();
-  std::vector<std::vector<const WorkItem*>> items(size_t(batch) * cap.num_kv_heads);
-  for (const WorkItem& w : plan.work) items[size_t(w.request) * cap.num_kv_heads + w.kv_head].push_back(&w);
+  const std::vector<Task> tasks = plan.tasks();
+  ASSERT_EQ(static_cast<int32_t>(tasks.size()), plan.num_tasks);
+  ASSERT_EQ(plan.num_tasks, static_cast<int32_t>(plan.work.size()) * cap.num_kv_heads);
+  std::vector<std::vector<const Task*>> items(size_t(batch) * cap.num_kv_heads);
+  for (const Task& w : tasks) items[size_t(w.request) * cap.num_kv_heads + w.kv_head].push_back(&w);
   int32_t merges_seen = 0;
   for (int32_t r = 0; r < batch; ++r) {
     for (int32_t h = 0; h < cap.num_kv_heads; ++h) {
@@ -66,7 +69,7 @@ void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
       const int64_t first_key =
           cap.window_left >= 0 ? std::max<int64_t>(0, kv.row_tokens(r) - qo_len - cap.window_left) : 0;
       int64_t pos = first_key;
-      for (const WorkItem* w : list) {
+      for (const Task* w : list) {
         EXPECT_EQ(w->kv_begin, pos) << "request " << r << ": chunks must be contiguous";
         EXPECT_GE(w->kv_end, w->kv_begin);
         if (plan.chunk_tokens > 0) {
@@ -105,13 +108,13 @@ void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap) {
   }
   const int64_t unsplit_items = int64_t(batch) * cap.num_kv_heads;
   if (plan.chunk_tokens > 0 && unsplit_items <= plan.wave_ctas) {
-    EXPECT_LE(static_cast<int32_t>(plan.work.size()), plan.wave_ctas) << "a split plan fits one wave";
+    EXPECT_LE(plan.num_tasks, plan.wave_ctas) << "a split plan fits one wave";
   }
   if (unsplit_items > plan.wave_ctas) {
     // Overfilled: no item is longer than the average load per CTA slot (rounded up to a granule,
     // and never below the minimum chunk).
     const int64_t average = (total * cap.num_kv_heads + plan.wave_ctas - 1) / plan.wave_ctas;
-    for (const WorkItem& w : plan.work) {
+    for (const Task& w : tasks) {
       EXPECT_LE(w.kv_end - w.kv_begin, std::max<int64_t>(average + 255, 256 + 255));
     }
   }
@@ -125,7 +128,7 @@ TEST(DecodePlan, FullBatchIsNotSplit) {
   check_plan(plan, b, cap);
   EXPECT_EQ(plan.chunk_tokens, 0);
   EXPECT_TRUE(plan.merges.empty());
-  EXPECT_EQ(plan.work.size(), 512u);
+  EXPECT_EQ(plan.num_tasks, 512);
 }
 
 TEST(DecodePlan, SlidingWindowPlansOnlyTheVisibleKeys) {
@@ -138,7 +141,7 @@ TEST(DecodePlan, SlidingWindowPlansOnlyTheVisibleKeys) {
   check_plan(plan, b, cap);
   int64_t read = 0;
   std::vector<int32_t> first(5, INT32_MAX);
-  for (const WorkItem& w : plan.work) {
+  for (const Task& w : plan.tasks()) {
     read += w.kv_end - w.kv_begin;
     first[w.request] = std::min(first[w.request], w.kv_begin);
   }
@@ -162,8 +165,9 @@ TEST(DecodePlan, LongRequestsOfAnOverfilledBatchAreSplitToTheAverageLoad) {
   check_plan(plan, b, cap);
   EXPECT_EQ(plan.chunk_tokens, 4960);
   EXPECT_EQ(plan.merges.size(), 8u);
-  EXPECT_EQ(plan.work.size(), 255u * 8 + 14u * 8);  // ceil(65536 / 4960) = 14 chunks per head
-  EXPECT_LE(static_cast<int32_t>(plan.work.size()), planner.max_work_items());
+  EXPECT_EQ(plan.num_tasks, 255 * 8 + 14 * 8);  // ceil(65536 / 4960) = 14 chunks per head
+  EXPECT_EQ(plan.work.size(), 255u + 14u) << "one work item per (request, chunk) for all heads";
+  EXPECT_LE(plan.num_tasks, planner.max_work_items());
   EXPECT_LE(plan.num_slots(), planner.max_slots());
 }
 
@@ -175,7 +179,7 @@ TEST(DecodePlan, SingleLongRequestIsSplitToFillTheWave) {
   check_plan(plan, b, cap);
   EXPECT_EQ(plan.chunk_tokens, 512);  // 8 heads x 64 chunks = 512 <= 528; 496 would give 544
   EXPECT_EQ(plan.merges.size(), 8u);
-  EXPECT_EQ(plan.work.size(), 512u);
+  EXPECT_EQ(plan.num_tasks, 512);
 }
 
 TEST(DecodePlan, ChunkIsTheSmallestThatFits) {
@@ -220,7 +224,7 @@ TEST(DecodePlan, PageSizeSetsTheGranularityAndEmptyRequestsGetOneItem) {
     const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
     check_plan(plan, b, cap);
     if (plan.chunk_tokens > 0) EXPECT_EQ(plan.chunk_tokens % std::max(page, 16), 0) << page;
-    for (const WorkItem& w : plan.work) {
+    for (const Task& w : plan.tasks()) {
       if (w.request == 0) EXPECT_EQ(w.kv_end, 0);
     }
   }
@@ -307,7 +311,7 @@ TEST(DecodePlan, RequestsWithoutQueriesGetNoWork) {
   b.qo_indptr = {0, 0, 1};  // the long request has no query this step
   const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
   for (const WorkItem& w : plan.work) EXPECT_EQ(w.request, 1);
-  EXPECT_EQ(plan.work.size(), 8u);
+  EXPECT_EQ(plan.num_tasks, 8);
   EXPECT_EQ(plan.chunk_tokens, 0);
 }
 
@@ -337,7 +341,7 @@ TEST(DecodePlan, BuffersKeepTheirAddressesAcrossSteps) {
   EXPECT_EQ(p2.work.data(), work);
   EXPECT_EQ(p2.merges.data(), merges);
   EXPECT_EQ(p2.slot_row_offset.data(), slots);
-  EXPECT_LE(static_cast<int32_t>(p2.work.size()), planner.max_work_items());
+  EXPECT_LE(p2.num_tasks, planner.max_work_items());
   EXPECT_LE(p2.partial_rows(), planner.max_partial_rows());
 }
 
@@ -371,7 +375,7 @@ TEST(DecodePlan, WorkspaceLayoutAndPlanImage) {
   planner.write_image(image.data());
   PlanHeader h;
   std::memcpy(&h, image.data() + l.header, sizeof(h));
-  EXPECT_EQ(h.num_work, static_cast<int32_t>(plan.work.size()));
+  EXPECT_EQ(h.num_work, plan.num_tasks) << "the kernel's loop bound: tasks";
   EXPECT_EQ(h.num_merges, static_cast<int32_t>(plan.merges.size()));
   EXPECT_EQ(h.num_slots, plan.num_slots());
   EXPECT_EQ(h.chunk_tokens, plan.chunk_tokens);

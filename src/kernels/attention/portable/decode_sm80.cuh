@@ -271,17 +271,19 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads
   const Logits logits(p.scale, p.soft_cap);
   const LdmatrixLane<T, kRows, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
-  // The work item is loaded together with the item count (the grid never exceeds the work list's
-  // capacity, so work[blockIdx.x] is in bounds): one round trip before the page ids.
   // K/V are read once per step: evict-first in L2 (b1 x 32K: 3.09 vs 3.02 TB/s, same run).
   const uint64_t kv_policy = l2_evict_first_policy();
-  const int num_work = p.header->num_work;
-  plan::WorkItem next = p.work[blockIdx.x];
-  for (int item = blockIdx.x; item < num_work; item += gridDim.x) {
-    const plan::WorkItem w = next;
-    if (item + gridDim.x < num_work) next = p.work[item + gridDim.x];
-    const plan::RequestInfo& req = w.req;
-    // A split item's merge row, loaded now so that the end of the item does not wait for it.
+  // Task t runs work item t / num_kv_heads for KV head t % num_kv_heads (plan::task_of). The item
+  // is loaded together with the task count (the grid never exceeds the tasks' capacity, which
+  // bounds the items too, so the first load is in bounds): one round trip before the page ids.
+  const int num_tasks = p.header->num_work;
+  const int heads = p.num_kv_heads;
+  plan::WorkItem next = p.work[blockIdx.x / heads];
+  for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
+    const plan::Task w = plan::task_of(next, task % heads);
+    const plan::RequestInfo req = next.req;
+    if (task + gridDim.x < num_tasks) next = p.work[(task + gridDim.x) / heads];
+    // A split task's merge row, loaded now so that the end of the task does not wait for it.
     const plan::MergeRow merge = w.partial_slot >= 0 ? p.merges[w.merge] : plan::MergeRow{};
     const int rows = req.qo_len * group;
     const int offset = req.kv_len - req.qo_len;  // bottom-right alignment
