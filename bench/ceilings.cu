@@ -61,10 +61,15 @@ __global__ void spin_kernel(long long ns) {
 
 __global__ void empty_kernel() {}
 
-int blocks_for(size_t n, int threads) {
+int sm_count() {
   int device = 0, sms = 0;
   cuda_ok(cudaGetDevice(&device), "device");
   cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  return sms;
+}
+
+int blocks_for(size_t n, int threads) {
+  const int sms = sm_count();
   const size_t wanted = (n + threads - 1) / threads;
   return int(wanted < size_t(sms) * 8 ? wanted : size_t(sms) * 8);
 }
@@ -97,9 +102,7 @@ Ceilings measure_ceilings() {
   }, 3, 20);
   // An empty kernel of two CTAs per SM (a one-wave decode grid), timed as every benchmark times
   // its launches: the per-launch floor of the method itself.
-  int device = 0, sms = 0;
-  cuda_ok(cudaGetDevice(&device), "device");
-  cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "sms");
+  const int sms = sm_count();
   const double launch_ms = median_ms([&](int) { empty_kernel<<<2 * sms, 128>>>(); }, 3, 50);
   Ceilings c;
   c.launch_us = launch_ms * 1e3;

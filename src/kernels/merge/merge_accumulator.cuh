@@ -1,6 +1,7 @@
 // Online merge of attention states (o, natural-log LSE s) into a running (max LSE, sum of weights,
-// weighted o), one Vec8 of o per accumulator. Shared by the n-ary merge kernel and the decode
-// kernel's split-KV merge. States at -inf contribute nothing (their o is never used); a NaN LSE
+// weighted o), one Vec8 of o per accumulator. Used by the n-ary merge kernel (the decode kernel's
+// split-KV merge takes the closed form instead: max and weights first, then independent
+// multiply-adds). States at -inf contribute nothing (their o is never used); a NaN LSE
 // poisons the row, a NaN in an o of a contributing state poisons that element only.
 #pragma once
 
