@@ -59,7 +59,7 @@ SUITES = {
     "prefill_paged": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
                           peers=["cudnn", "torch_flash"], ceilings=["gemm"]),
     "decode": dict(params=["batch", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
-                   peers=["cudnn", "torch_flash"], ceilings=["read", "copy"]),
+                   peers=["cudnn", "cudnn_stream", "torch_flash"], ceilings=["read", "copy"]),
     # moe_gemm's "gemm" ceiling is per case: one dense torch.mm of the same FLOPs (M=tokens, K, N)
     "moe_gemm": dict(params=["experts", "tokens", "K", "N"],
                      peers=["torch_grouped_mm", "cublas_loop"], ceilings=["read"]),
@@ -270,6 +270,37 @@ def time_cuda(fn, sets, budget_s, min_reps=20, max_reps=1000, warmup_s=0.05, bat
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
+def time_cuda_stream(fn, sets, budget_s, calls=20, min_reps=5, max_reps=100):
+    """Seconds per call of `calls` back-to-back calls between two events (none between the calls),
+    the median over repetitions: a stream of steps as an engine issues them. tessera's decode
+    records the same figure as stream_tbs (bench/timing.h, stream_ms)."""
+    n = len(sets)
+    for i in range(max(3, calls)):
+        fn(sets[i % n])
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(sets[i % n])
+    host_s = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    per_call = []
+    reps = min_reps
+    i = 0
+    t0 = time.perf_counter()
+    while len(per_call) < max_reps and (len(per_call) < reps or time.perf_counter() - t0 < budget_s):
+        hold_gpu(min(0.05, 1.5 * calls * host_s + 1e-4))
+        start.record()
+        for _ in range(calls):
+            fn(sets[i % n])
+            i += 1
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(per_call)
+
+
 def error_text(e):
     text = ("%s: %s" % (type(e).__name__, e)).strip().replace("\n", " | ")
     return text[:400]
@@ -380,7 +411,7 @@ def run_prefill(p, args):
 # Decode: q [b, Hq, 1, d], contiguous K/V [b, Hkv, kv_len, d], bf16
 # ----------------------------------------------------------------------------------------------
 
-def peer_sdpa_decode(backend, sets, p, budget_s):
+def peer_sdpa_decode(backend, sets, p, budget_s, timer=None):
     """SDPA with enable_gqa=True; if the backend refuses GQA, fold the query heads of one KV head
     into the query-length dimension (q [b, Hkv, group, d]), which computes the same attention and
     reads K/V once (expand() would read them group times or copy them)."""
@@ -394,13 +425,14 @@ def peer_sdpa_decode(backend, sets, p, budget_s):
         q = x[0].view(b, hkv, hq // hkv, d)
         return F.scaled_dot_product_attention(q, x[1], x[2]).view(b, hq, 1, d)
 
+    timer = timer or time_cuda
     with sdpa_kernel(backend):
         try:
-            t = time_cuda(call_gqa, sets, budget_s)
+            t = timer(call_gqa, sets, budget_s)
             note = "enable_gqa=True" if hq != hkv else None
         except Exception as e:
             torch.cuda.synchronize()
-            t = time_cuda(call_folded, sets, budget_s)
+            t = timer(call_folded, sets, budget_s)
             note = ("enable_gqa refused (%s); query heads folded into q_len: q [b, %d, %d, %d]"
                     % (error_text(e)[:200], hkv, hq // hkv, d))
     return case_work("decode", p) / t / 1e12, note
@@ -488,6 +520,9 @@ def run_decode(p, args):
                  randn(b, hkv, kv, d, dtype=dtype)) for _ in range(n)]
         measure("cudnn", lambda: peer_sdpa_decode(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer),
                 peers, notes)
+        # The same calls back to back without events between them (compare with stream_tbs).
+        measure("cudnn_stream", lambda: peer_sdpa_decode(SDPBackend.CUDNN_ATTENTION, sets, p, args.time_per_peer,
+                                                         timer=time_cuda_stream), peers, notes)
         measure("torch_flash", lambda: peer_sdpa_decode(SDPBackend.FLASH_ATTENTION, sets, p, args.time_per_peer),
                 peers, notes)
         del sets

@@ -56,6 +56,33 @@ inline double median_ms(const std::function<void(int)>& run, int warmup = 5, int
   return ms[iters / 2];
 }
 
+// Milliseconds per call of `calls` back-to-back calls between two events, none between the
+// calls: a stream of steps as an engine issues them; the median over `reps` such streams. Unlike
+// median_ms, consecutive kernels may overlap their launch with the previous kernel's tail
+// (programmatic dependent launch). bench/peers.py times its stream peers the same way.
+inline double stream_ms(const std::function<void(int)>& run, int warmup = 5, int calls = 20, int reps = 9) {
+  for (int i = 0; i < warmup; ++i) run(i);
+  cuda_ok(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t begin, end;
+  cuda_ok(cudaEventCreate(&begin), "cudaEventCreate");
+  cuda_ok(cudaEventCreate(&end), "cudaEventCreate");
+  std::vector<float> ms(reps);
+  int next = warmup;
+  for (int r = 0; r < reps; ++r) {
+    gpu_spin(calls * 100.0 + 2000.0);
+    cuda_ok(cudaEventRecord(begin), "record");
+    for (int i = 0; i < calls; ++i) run(next++);
+    cuda_ok(cudaEventRecord(end), "record");
+    cuda_ok(cudaEventSynchronize(end), "sync");
+    cuda_ok(cudaEventElapsedTime(&ms[r], begin, end), "elapsed");
+  }
+  cuda_ok(cudaGetLastError(), "launch");
+  cudaEventDestroy(begin);
+  cudaEventDestroy(end);
+  std::nth_element(ms.begin(), ms.begin() + reps / 2, ms.end());
+  return ms[reps / 2] / calls;
+}
+
 // Owning device buffer filled with random bits of a bounded float range (never zeros).
 class Buffer {
  public:

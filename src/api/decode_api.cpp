@@ -49,6 +49,7 @@ struct GpuShape {
   int num_sms = 0;
   int stages = 3;  // the decode kernel's K/V pipeline stages on this GPU
   int ctas_per_sm = 0;
+  bool programmatic_launch = false;  // asked for and supported (sm_90+)
 };
 
 GpuShape current_gpu_shape(const DecodeConfig& c) {
@@ -56,6 +57,9 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
   GpuShape g;
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&g.num_sms, cudaDevAttrMultiProcessorCount, device));
+  int major = 0;
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  g.programmatic_launch = c.programmatic_launch && major >= 9;
   g.stages = dispatch::decode_stages(c.head_dim, c.pipeline_stages);
   g.ctas_per_sm = dispatch::decode_ctas_per_sm(c.dtype, c.head_dim, g.stages);
   if (g.ctas_per_sm < 1) {
@@ -333,6 +337,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   launch.decode_ctas = capture != cudaStreamCaptureStatusNone ? im.planner.max_work_items()
                                                                : im.info.num_work_items;
   launch.stages = im.gpu.stages;
+  launch.programmatic = im.gpu.programmatic_launch;
   if (capture != cudaStreamCaptureStatusNone) {
     Impl::CapturedBounds& g = impl_->graph;
     g.captured = true;

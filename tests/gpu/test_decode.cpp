@@ -478,6 +478,38 @@ TEST(GpuDecode, RepeatedRunsAreBitwiseIdentical) {
   EXPECT_TRUE(bitwise_equal(first, p.run_and_fetch(decoder, stream))) << "run() on another stream differs";
 }
 
+// With programmatic launch (sm_90+) a run() may start while the kernel ahead of it in the stream
+// still runs; it must wait for that kernel before reading anything. Two steps chained on one
+// stream with no synchronisation between them, the first step's O being the second step's Q:
+// the second must see the first's output, bit for bit as with plain launches.
+TEST(GpuDecode, ProgrammaticLaunchWaitsForThePreviousKernel) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len = {16385, 54, 700};  // a long first step: the second launches well before it ends
+  DecodeProblem p(c, 601);
+  auto chain = [&](bool programmatic) -> Outputs {
+    DecodeConfig cfg = p.cfg;
+    cfg.programmatic_launch = programmatic;
+    DeviceBuffer ws(BatchDecoder::workspace_bytes(cfg));
+    BatchDecoder decoder(cfg, ws.get(), ws.bytes());
+    p.plan(decoder);
+    DeviceBuffer o2(p.o.bytes()), lse2(p.lse.bytes());
+    p.o.poison();
+    o2.poison();
+    lse2.poison();
+    p.run(decoder);  // writes p.o
+    decoder.run(p.o_view(), p.cache(), p.table(),
+                TensorView::strided(o2.get(), cfg.dtype, {p.q.rows, p.q.heads, p.q.dim}, {p.q.row_stride, p.q.dim, 1}),
+                TensorView::contiguous(lse2.get(), DType::kFP32, {p.q.rows, p.q.heads}), nullptr);
+    if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("run() failed on the GPU");
+    return fetch(o2, lse2, p.out_shape());
+  };
+  const Outputs plain = chain(false);
+  EXPECT_EQ(plain.stray, 0u);
+  EXPECT_TRUE(bitwise_equal(plain, chain(true))) << "the chained step differs with programmatic launch";
+}
+
 // ---- 7. CUDA graphs ---------------------------------------------------------------------------------
 struct CapturedGraph {
   cudaGraph_t graph = nullptr;

@@ -220,7 +220,7 @@ TEST(GpuPrefill, ForcedPaths) {
 }
 
 // GPUs with 99 KB of shared memory per block (sm_86, sm_89) get the compact hd256 tile shape
-// (the default one needs 130 KB); here the limit is imposed on this GPU to run that shape.
+// (the default one needs 145 KB); here the limit is imposed on this GPU to run that shape.
 TEST(GpuPrefill, CompactTileShapeForLessSharedMemory) {
   TESSERA_REQUIRE_GPU();
   const SharedMemoryLimit limit(99 * 1024);  // sm_86 / sm_89

@@ -56,6 +56,7 @@ struct DecodeParams {
 struct DecodeLaunch {
   int decode_ctas = 0;
   int stages = 3;  // K/V pipeline stages: 3, or 2 where shared memory is short (dispatch picks)
+  bool programmatic = false;  // programmatic dependent launch (sm_90+)
 };
 
 }  // namespace tessera::kernels

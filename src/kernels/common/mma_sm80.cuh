@@ -124,6 +124,19 @@ struct LdmatrixLane {
   __device__ const T* at(int row0, int step) const {
     return row_base + row0 * kCols + (step / 4) * 64 + xor_chunk[step % 4];
   }
+  // The same lane addressing `cols` columns to the right (a multiple of 64: whole groups of 8
+  // chunks, which the swizzle maps onto themselves), so k-steps count from there.
+  __device__ LdmatrixLane shifted(int cols) const {
+    LdmatrixLane moved = *this;
+    moved.row_base += cols;
+    return moved;
+  }
 };
+
+// Synchronises the `threads` threads (whole warps) that call it with barrier `id` (1..15; 0 is
+// __syncthreads'), and orders their shared-memory accesses across it.
+__device__ inline void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace tessera::kernels::sm80

@@ -23,6 +23,7 @@
 #include "kernels/attention/decode_params.h"
 #include "kernels/attention/logits.cuh"
 #include "kernels/common/bulk_copy_sm90.cuh"
+#include "kernels/common/dependent_launch.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/vec8.cuh"
 
@@ -277,6 +278,11 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads
   // Task t runs work item t / num_kv_heads for KV head t % num_kv_heads (plan::task_of). The item
   // is loaded together with the task count (the grid never exceeds the tasks' capacity, which
   // bounds the items too, so the first load is in bounds): one round trip before the page ids.
+  // Launched early behind the previous kernel (programmatic launch): everything below reads or
+  // writes memory that kernel may still use. Once every CTA is past this point, the next kernel
+  // may start launching behind this one.
+  wait_for_preceding_grid();
+  allow_dependent_launch();
   const int num_tasks = p.header->num_work;
   const int heads = p.num_kv_heads;
   plan::WorkItem next = p.work[blockIdx.x / heads];
@@ -588,17 +594,34 @@ auto decode_kernel_ready() {
   return kernel;
 }
 
+// launch.programmatic: the kernel may start launching while the previous kernel in the stream
+// finishes (sm_90+; the kernel waits for it before touching memory).
+template <typename Kernel>
+void launch_decode_kernel(Kernel kernel, int threads, int smem_bytes, const DecodeParams& p,
+                          const DecodeLaunch& launch, cudaStream_t stream) {
+  cudaLaunchAttribute attribute[1] = {};
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(launch.decode_ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = launch.programmatic ? 1 : 0;
+  TESSERA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+}
+
 template <typename T, int kHeadDim, int kStages>
 void launch_decode_stages(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
   using Cfg = DecodeTileConfig<kHeadDim, kStages>;
   if (p.soft_cap > 0.f) {
-    decode_kernel_ready<T, kHeadDim, SoftCappedLogits, kStages>()<<<launch.decode_ctas, Cfg::kThreads,
-                                                                    Cfg::kSmemBytes, stream>>>(p);
+    launch_decode_kernel(decode_kernel_ready<T, kHeadDim, SoftCappedLogits, kStages>(), Cfg::kThreads,
+                         Cfg::kSmemBytes, p, launch, stream);
   } else {
-    decode_kernel_ready<T, kHeadDim, PlainLogits, kStages>()<<<launch.decode_ctas, Cfg::kThreads,
-                                                               Cfg::kSmemBytes, stream>>>(p);
+    launch_decode_kernel(decode_kernel_ready<T, kHeadDim, PlainLogits, kStages>(), Cfg::kThreads,
+                         Cfg::kSmemBytes, p, launch, stream);
   }
-  TESSERA_CHECK_LAUNCH();
 }
 
 template <typename T, int kHeadDim>

@@ -1,10 +1,11 @@
 // Portable prefill attention (sm_80+): FlashAttention-2's work split. One CTA owns 128 query rows
-// of one (request, query head): 4 warps of 32 rows (hd64, hd128) or 8 warps of 16 rows (hd256).
-// Each warp keeps its O accumulators and softmax statistics in registers while the CTA streams K
-// and V tiles of 64 keys through shared memory (cp.async), computing S = Q K^T and O += P V with
-// mma.sync m16n8k16. P never leaves registers: the S accumulators are re-packed as the A operand
-// of the P V product. Loads overlap compute as in FA2: V(j) loads while S(j) is computed, K(j+1)
-// while the softmax and O += P V(j) are (hd256) or while O += P V(j) is (hd64, hd128).
+// of one (request, query head): 4 warps of 32 rows (hd64, hd128), or at hd256 8 warps in pairs of
+// 32 rows, where a pair splits S = Q K^T by keys and O += P V by head dims. Each warp keeps its O
+// accumulators and softmax statistics in registers while the CTA streams K and V tiles of 64 keys
+// through shared memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P
+// stays in registers (the S accumulators are re-packed as the A operand of P V); a pair reads
+// only its partner's half of P from shared memory. Loads overlap compute as in FA2: V(j) loads
+// while S(j) is computed, K(j+1) while O += P V(j) is.
 // KV tiles wholly outside the mask band are never visited; only tiles that cross its edge are
 // masked element by element.
 #pragma once
@@ -26,29 +27,41 @@ namespace tessera::kernels::sm80 {
 // 2048, TFLOP/s; see notes/prefill_portable.md):
 // - 32 rows per warp beat 16 at hd64 (304 vs 273) and at hd128 (316 vs 285); 32-key tiles lose at
 //   hd128 (323 vs 326 at 32 rows per warp); capping registers for 3 CTAs/SM lost 5-10%.
-// - hd256 takes FA2's shape: 8 warps of 16 rows, 64-key tiles, one CTA per SM, and K(j+1)
-//   requested right after S(j) (297 vs 281 for 4 warps with 32-key tiles, 292 with the later load).
+// - hd256: 8 warps, 64-key tiles, one CTA per SM. FA2's shape (8 warps of 16 rows) waited on
+//   shared memory: every warp read the whole K and V tile for its 16 rows (297 at best). Warp
+//   pairs on 32 rows (each K / V fragment then serves two m16 tiles: 100 ldmatrix.x4 per 256
+//   mma instead of 144) reach 322 (+7.5%, prefill_portable.md v11). K(j+1) is requested after the
+//   softmax; with pairs that beat requesting it right after S(j) (322.7 vs 316.7), where FA2's
+//   shape had preferred the early request (297 vs 292).
 // - At hd64 the softmax's row max and sum are reduced as trees: the chain of 16 dependent adds
 //   per row was exposed with two warps per scheduler (+1.1% at hd64; hd128 lost 1.3%, hd256 even).
 // - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
 //   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles read
 //   all their rows' offsets before issuing the copies (kv_source_sm80.cuh).
 // kCompact: the shape for GPUs whose shared memory per block is too small for the default one
-// (99 KB on sm_86 / sm_89; the wide hd256 tile needs 130 KB): hd256 keeps 4 warps and 32-key tiles
+// (99 KB on sm_86 / sm_89; the wide hd256 tile needs 145 KB): hd256 keeps 4 warps and 32-key tiles
 // (66 KB). Identical to the default at hd64 / hd128.
 template <int kHeadDimT, bool kCompact = false>
 struct PrefillConfig {
   static constexpr int kHeadDim = kHeadDimT;
-  static constexpr bool kWide = kHeadDim == 256 && !kCompact;  // FA2's 128 x 64 hd256 tile
+  static constexpr bool kWide = kHeadDim == 256 && !kCompact;  // 128 x 64 hd256 tile, 8 warps
   static constexpr int kWarps = kWide ? 8 : 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;  // m16 row tiles per warp
-  static constexpr int kBlockM = 16 * kMTiles * kWarps;    // query rows per CTA
+  // Warp pairs (kWide): two warps share 32 rows; S = Q K^T is split between them by keys, O += P V
+  // by head dims, and each reads the other's half of P from shared memory. Each K and V fragment
+  // read then serves two m16 tiles: 100 ldmatrix.x4 per warp and 256 mma instead of 144.
+  static constexpr bool kWarpPairs = kWide;
+  static constexpr int kKeyHalves = kWarpPairs ? 2 : 1;
+  static constexpr int kRowGroups = kWarps / kKeyHalves;   // warps (or pairs) with their own rows
+  static constexpr int kMTiles = kHeadDim <= 128 || kWarpPairs ? 2 : 1;  // m16 row tiles per warp
+  static constexpr int kBlockM = 16 * kMTiles * kRowGroups;  // query rows per CTA
   static constexpr int kBlockN = kHeadDim == 256 && !kWide ? 32 : 64;  // keys per K/V tile
-  static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;
+  static constexpr int kTileBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;  // Q, K, V
+  // Warp pairs: P (kBlockM x kBlockN) and one float per (key half, row) for the row max / sum.
+  static constexpr int kExchangeBytes = kWarpPairs ? kBlockM * kBlockN * 2 + kKeyHalves * kBlockM * 4 : 0;
+  static constexpr int kSmemBytes = kTileBytes + kExchangeBytes;
   // CTAs per SM the register budget is sized for (65536 / (kThreads x CTAs) registers per thread).
   static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
-  static constexpr bool kEarlyKeyLoad = kWide;  // K(j+1) requested after S(j), not after softmax
   static constexpr bool kRaggedFullTileCopy = kHeadDim != 64;
   // The softmax's row max and row sum as trees rather than chains (prefill_portable.md v10).
   static constexpr bool kTreeRowReductions = kHeadDim == 64;
@@ -99,8 +112,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   constexpr int kHeadDim = Config::kHeadDim;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
   constexpr int kMTiles = Config::kMTiles;  // m16 tiles per warp
-  constexpr int kNTiles = kBlockN / 8;      // S accumulator tiles of 8 keys
-  constexpr int kDTiles = kHeadDim / 8;     // O accumulator tiles of 8 dims
   constexpr int kKSteps = kHeadDim / 16;    // k-steps of Q K^T
 
   // CTAs start roughly in grid order (x fastest). Causal: grid (heads, requests, query tiles from
@@ -118,15 +129,22 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   if (m0 >= qo_len) return;
   const int kv_head = head / (p.num_qo_heads / p.num_kv_heads);
   extern __shared__ __align__(128) unsigned char smem[];
-  KV kv(p, request, kv_head, smem + (kBlockM + 2 * kBlockN) * kHeadDim * 2);
+  KV kv(p, request, kv_head, smem + Config::kSmemBytes);
   const int kv_len = kv.kv_len;
   const MaskBand band{qo_len, kv_len, kv_len - qo_len, p.causal, p.window_left};
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // Warp w owns CTA rows {mt * 16 * kWarps + w * 16 + [0, 16)}; this lane holds rows g and g + 8
-  // of each of its m16 tiles.
-  auto tile_row = [&](int mt) { return mt * 16 * Config::kWarps + warp * 16; };
+  // Warp w (or pair w % kRowGroups) owns CTA rows {mt * 16 * kRowGroups + (w % kRowGroups) * 16 +
+  // [0, 16)}; this lane holds rows g and g + 8 of each of its m16 tiles. In a pair, warp half
+  // `half` computes S for keys [half, half + 1) * kSKeys of each tile and O for head dims
+  // [half, half + 1) * kODims.
+  constexpr int kRowGroups = Config::kRowGroups, kKeyHalves = Config::kKeyHalves;
+  constexpr int kSKeys = kBlockN / kKeyHalves, kSNTiles = kSKeys / 8;  // keys of S per warp
+  constexpr int kODims = kHeadDim / kKeyHalves, kODTiles = kODims / 8;  // dims of O per warp
+  const int row_group = Config::kWarpPairs ? warp % kRowGroups : warp;
+  const int half = Config::kWarpPairs ? warp / kRowGroups : 0;  // a constant 0 without pairs
+  auto tile_row = [&](int mt) { return mt * 16 * kRowGroups + row_group * 16; };
 
   const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
   const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
@@ -135,7 +153,27 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   // K (B operand) reads rows (l%8) + 8*(l/16), chunk (l/8)%2.
   const LdmatrixLane<T, kBlockM, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
   const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(k_tile, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
-  const LdmatrixLane<T, kBlockN, kHeadDim> v_lane(v_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+  const LdmatrixLane<T, kBlockN, kHeadDim> v_lane =
+      LdmatrixLane<T, kBlockN, kHeadDim>(v_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16).shifted(half * kODims);
+  // Warp pairs: P as a swizzled kBlockM x kBlockN tile; this lane's stores (row g + 8r of each m16
+  // tile, keys 2t, 2t + 1 of each of its 8-key tiles j: chunk (half * kSNTiles + j) ^ g) and its
+  // ldmatrix addresses into the partner's key half (k-steps 2 (1 - half) + kk, A-operand pattern).
+  T* const p_base = reinterpret_cast<T*>(smem + Config::kTileBytes);
+  float* const exchange = reinterpret_cast<float*>(smem + Config::kTileBytes + kBlockM * kBlockN * 2);
+  T* p_store[kSNTiles];
+  const T* p_load[kSNTiles / 2];
+  if constexpr (Config::kWarpPairs) {
+#pragma unroll
+    for (int j = 0; j < kSNTiles; ++j) p_store[j] = p_base + g * kBlockN + ((half * kSNTiles + j) ^ g) * 8 + 2 * t;
+    const int lane_row = (lane % 8) + ((lane / 8) % 2) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kSNTiles / 2; ++kk) {
+      const int step = (1 - half) * (kSNTiles / 2) + kk;
+      p_load[kk] = p_base + lane_row * kBlockN + ((2 * step + lane / 16) ^ (lane_row % 8)) * 8;
+    }
+  }
+  // The pair's barrier (ids 1..kRowGroups; 0 is __syncthreads').
+  auto pair_sync = [&] { named_barrier_sync(1 + row_group, 64); };
 
   const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
 
@@ -146,7 +184,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int first_tile = n_begin / kBlockN;
   const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
 
-  float o_acc[kMTiles][kDTiles][4] = {};
+  float o_acc[kMTiles][kODTiles][4] = {};
   float row_max[kMTiles][2];  // log2 units
   float row_sum[kMTiles][2];  // this lane's partial sums; reduced over the row's 4 lanes at the end
 #pragma unroll
@@ -171,7 +209,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   cp_async_commit();
 
   // K(tile + 1) into the K tile, once V(tile) has landed and every warp is done with K(tile):
-  // right after S(tile) (kEarlyKeyLoad) or after the softmax.
+  // after the softmax.
   auto request_next_keys = [&](int tile) {
     const int n1 = (tile + 1) * kBlockN;
     if (tile + 1 < end_tile) kv.publish_rows(p, n1, (tile + 1) & 1);
@@ -190,17 +228,18 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     if (tile + 2 < end_tile) kv.fetch_rows(p, n0 + 2 * kBlockN, tile & 1);  // lands with V(tile)
     cp_async_commit();
 
-    // S = Q K^T: each K fragment read from shared memory serves all kMTiles row tiles.
-    float s[kMTiles][kNTiles][4] = {};
+    // S = Q K^T over this warp's keys: each K fragment read from shared memory serves all kMTiles
+    // row tiles.
+    float s[kMTiles][kSNTiles][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_lane.at(tile_row(mt), ks));
 #pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
+      for (int np = 0; np < kSNTiles / 2; ++np) {
         uint32_t b[4];
-        ldmatrix_x4(b, k_lane.at(np * 16, ks));
+        ldmatrix_x4(b, k_lane.at(half * kSKeys + np * 16, ks));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -209,7 +248,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       }
     }
 
-    if constexpr (Config::kEarlyKeyLoad) request_next_keys(tile);
 
     // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
     // pay for the per-element test.
@@ -217,7 +255,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
+        for (int j = 0; j < kSNTiles; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][j][e] = logits(s[mt][j][e]);
     }
@@ -228,10 +266,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
+        for (int j = 0; j < kSNTiles; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int key = n0 + j * 8 + 2 * t + (e & 1);
+            const int key = n0 + half * kSKeys + j * 8 + 2 * t + (e & 1);
             const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
             if (!band.visible(row, key)) s[mt][j][e] = -INFINITY;
           }
@@ -239,23 +277,45 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       }
     }
 
-    // Online softmax: new row maxima (the 4 lanes of a row share them), rescale what came before.
+    // Online softmax: new row maxima (the 4 lanes of a row share them; a pair exchanges its two
+    // key halves' through shared memory), rescale what came before.
+    auto tile_row_max = [&](int mt, int r) {
+      auto pair_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
+      float m = row_max[mt][r];
+      if constexpr (Config::kTreeRowReductions) {
+        m = fmaxf(m, tree_reduce<kSNTiles>(pair_max, [](float a, float b) { return fmaxf(a, b); }));
+      } else {
+#pragma unroll
+        for (int j = 0; j < kSNTiles; ++j) m = fmaxf(m, pair_max(j));
+      }
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    };
+    float pair_max[kMTiles][2];
+    if constexpr (Config::kWarpPairs) {
+      // The partner read the previous tile's values before the pair's last barrier.
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          pair_max[mt][r] = tile_row_max(mt, r);
+          if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = pair_max[mt][r];
+        }
+      }
+      pair_sync();
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          pair_max[mt][r] = fmaxf(pair_max[mt][r], exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r]);
+    }
     float rescale[kMTiles][2];
     bool max_moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        auto pair_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
-        float m = row_max[mt][r];
-        if constexpr (Config::kTreeRowReductions) {
-          m = fmaxf(m, tree_reduce<kNTiles>(pair_max, [](float a, float b) { return fmaxf(a, b); }));
-        } else {
-#pragma unroll
-          for (int j = 0; j < kNTiles; ++j) m = fmaxf(m, pair_max(j));
-        }
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float m = Config::kWarpPairs ? pair_max[mt][r] : tile_row_max(mt, r);
         // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
         const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
         rescale[mt][r] = exp2_approx(row_max[mt][r] * logits.log2_scale - m_scaled);
@@ -263,7 +323,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
         row_max[mt][r] = m;
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
+        for (int j = 0; j < kSNTiles; ++j) {
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; ++e) {
             s[mt][j][e] = exp2_approx(fmaf(s[mt][j][e], logits.log2_scale, -m_scaled));
@@ -271,7 +331,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
           }
         }
         if constexpr (Config::kTreeRowReductions) {
-          sum = tree_reduce<kNTiles>([&](int j) { return s[mt][j][2 * r] + s[mt][j][2 * r + 1]; },
+          sum = tree_reduce<kSNTiles>([&](int j) { return s[mt][j][2 * r] + s[mt][j][2 * r + 1]; },
                                      [](float a, float b) { return a + b; });
         }
         row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + sum;
@@ -284,16 +344,39 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int d = 0; d < kDTiles; ++d)
+        for (int d = 0; d < kODTiles; ++d)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o_acc[mt][d][e] *= rescale[mt][e / 2];
     }
 
-    if constexpr (!Config::kEarlyKeyLoad) request_next_keys(tile);
+    request_next_keys(tile);
 
-    // O += P V, P taken straight from the S accumulators (two 8-key tiles make one k16 A tile).
+    // O += P V over this warp's head dims, P of its own keys taken straight from the S
+    // accumulators (two 8-key tiles make one k16 A tile); a pair's other key half from shared memory.
+    if constexpr (Config::kWarpPairs) {
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int j = 0; j < kSNTiles; ++j)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            *reinterpret_cast<uint32_t*>(p_store[j] + (tile_row(mt) + 8 * r) * kBlockN) =
+                pack2<T>(s[mt][j][2 * r], s[mt][j][2 * r + 1]);
+    }
+    auto accumulate_pv = [&](const uint32_t (&a)[kMTiles][4], int key0) {
+#pragma unroll
+      for (int dp = 0; dp < kODTiles / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_lane.at(key0, dp));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(o_acc[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16816<T>(o_acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    };
+#pragma unroll
+    for (int ks = 0; ks < kSKeys / 16; ++ks) {
       uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -302,15 +385,19 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
         a[mt][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
         a[mt][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
       }
+      accumulate_pv(a, half * kSKeys + ks * 16);
+    }
+    if constexpr (Config::kWarpPairs) {
+      // The partner's half of P is stored. Waiting here, after this warp's own half of P V, measured
+      // 316.7 vs 313.4 TFLOP/s against waiting before it; a split arrive (after the stores) / sync
+      // (here) lost: 316.4 vs 322.7.
+      pair_sync();
 #pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_lane.at(ks * 16, dp));
+      for (int ks = 0; ks < kSKeys / 16; ++ks) {
+        uint32_t a[kMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(o_acc[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_16816<T>(o_acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
-        }
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], p_load[ks] + tile_row(mt) * kBlockN);
+        accumulate_pv(a, (1 - half) * kSKeys + ks * 16);
       }
     }
   }
@@ -318,26 +405,45 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 
   // Epilogue: O / l, LSE = (max * log2_scale + log2 l) * ln 2; rows that saw no key give 0 and -inf.
   T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
+  if constexpr (Config::kWarpPairs) {  // row sums over the row's 4 lanes and both key halves
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = row_sum[mt][r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        row_sum[mt][r] = l + __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = row_sum[mt][r];
+      }
+    }
+    pair_sync();
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) row_sum[mt][r] += exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r];
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float l = row_sum[mt][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if constexpr (!Config::kWarpPairs) {
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+      }
       // Nothing visible gives l == 0; a NaN logit gives l = NaN (and row_max may stay -inf,
       // since fmaxf skips NaN), which must reach O and LSE rather than read as empty.
       const bool empty = l == 0.f;
       const float inv_sum = empty ? 0.f : 1.f / l;
       const int row = m0 + tile_row(mt) + g + 8 * r;
       if (row >= qo_len) continue;
-      T* o_row = o_head + int64_t(row) * p.o_stride_row;
+      T* o_row = o_head + int64_t(row) * p.o_stride_row + half * kODims;
 #pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
+      for (int d = 0; d < kODTiles; ++d) {
         *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
             pack2<T>(o_acc[mt][d][2 * r] * inv_sum, o_acc[mt][d][2 * r + 1] * inv_sum);
       }
-      if (p.lse != nullptr && t == 0) {
+      if (p.lse != nullptr && t == 0 && half == 0) {
         p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
             empty ? -INFINITY
                   : (row_max[mt][r] * logits.log2_scale + log2f(l)) * 0.6931471805599453f;
