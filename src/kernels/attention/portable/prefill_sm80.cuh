@@ -66,9 +66,9 @@ struct PrefillConfig {
   // The softmax's row max and row sum as trees rather than chains (prefill_portable.md v10).
   static constexpr bool kTreeRowReductions = kHeadDim == 64;
   // K(j+1) requested between the row maxima and the exponentials rather than after the softmax,
-  // so that the exponentials and O += P V form one basic block: hd64 307.9 vs 301.4; hd128 lost
-  // 1.5% (355.6 vs 360.9; prefill_portable.md v12).
-  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64;
+  // so that the exponentials and O += P V form one basic block: hd64 310.5 vs 303.6, hd256 324.0
+  // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12).
+  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim != 128;
 };
 
 // op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
