@@ -5,7 +5,7 @@
 // through shared memory (cp.async), computing S = Q K^T and O += P V with mma.sync m16n8k16. P
 // stays in registers (the S accumulators are re-packed as the A operand of P V); a pair reads
 // only its partner's half of P from shared memory. Loads overlap compute as in FA2: V(j) loads
-// while S(j) is computed, K(j+1) while O += P V(j) is.
+// while S(j) is computed, K(j+1) while O += P V(j) is (and at hd64 / hd256 the exponentials).
 // KV tiles wholly outside the mask band are never visited; only tiles that cross its edge are
 // masked element by element.
 #pragma once
@@ -31,8 +31,8 @@ namespace tessera::kernels::sm80 {
 //   shared memory: every warp read the whole K and V tile for its 16 rows (297 at best). Warp
 //   pairs on 32 rows (each K / V fragment then serves two m16 tiles: 100 ldmatrix.x4 per 256
 //   mma instead of 144) reach 322 (+7.5%, prefill_portable.md v11). K(j+1) is requested after the
-//   softmax; with pairs that beat requesting it right after S(j) (322.7 vs 316.7), where FA2's
-//   shape had preferred the early request (297 vs 292).
+//   row maxima (below); right after S(j) lost with pairs (316.7 vs 322.7), where FA2's shape had
+//   preferred it (297 vs 292).
 // - At hd64 the softmax's row max and sum are reduced as trees: the chain of 16 dependent adds
 //   per row was exposed with two warps per scheduler (+1.1% at hd64; hd128 lost 1.3%, hd256 even).
 // - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   cp_async_commit();
 
   // K(tile + 1) into the K tile, once V(tile) has landed and every warp is done with K(tile):
-  // after the softmax.
+  // after the softmax, or between its maxima and exponentials (kExponentialsAfterKeyRequest).
   auto request_next_keys = [&](int tile) {
     const int n1 = (tile + 1) * kBlockN;
     if (tile + 1 < end_tile) kv.publish_rows(p, n1, (tile + 1) & 1);
