@@ -376,6 +376,7 @@ int bench_decode(const Args& a) {
   cfg.max_batch_size = batch;
   cfg.max_qo_len = 1;
   cfg.programmatic_launch = arg_int(a, "programmatic", "1") != 0;
+  cfg.pipeline_stages = static_cast<int>(arg_int(a, "pipeline_stages", "0"));
   const size_t ws_bytes = BatchDecoder::workspace_bytes(cfg);
   Buffer ws(ws_bytes);
   BatchDecoder decoder(cfg, ws.get(), ws_bytes);
