@@ -885,7 +885,8 @@ def print_table(doc):
         rows = []
         for r in recs:
             peers = r.get("peers", {})
-            vals = [v for v in peers.values() if v]
+            # Per-launch peers only: *_stream peers compare with tessera's stream_tbs, not its figure.
+            vals = [v for k, v in peers.items() if v and not k.endswith("_stream")]
             ratio = r.get("tessera") / max(vals) if r.get("tessera") and vals else None
             rows.append([r["case"], fmt(r.get("tessera"))] + [fmt(peers.get(k)) for k in peer_names]
                         + ["-" if ratio is None else "%.2f" % ratio])

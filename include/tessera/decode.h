@@ -58,7 +58,8 @@ struct DecodeConfig {
   // block allows it (A100, H100/H200), else 2 (sm_86/sm_89: 99 KB). 2 or 3 forces that count
   // (tests, ablation); a count this GPU cannot hold is an error.
   int pipeline_stages = 0;
-  // Programmatic dependent launch (sm_90+; ignored before): run()'s kernel may start launching
+  // Programmatic dependent launch (where the GPU runs the kernel's sm_90+ code; plain launches
+  // otherwise): run()'s kernel may start launching
   // while the kernel ahead of it in the stream finishes, and waits for that kernel's completion
   // before it touches any memory, so results are the same. It hides the launch gap between the
   // two kernels (a few microseconds, which a short decode step feels). False: plain launches.

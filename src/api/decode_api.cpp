@@ -49,7 +49,7 @@ struct GpuShape {
   int num_sms = 0;
   int stages = 3;  // the decode kernel's K/V pipeline stages on this GPU
   int ctas_per_sm = 0;
-  bool programmatic_launch = false;  // asked for and supported (sm_90+)
+  bool programmatic_launch = false;  // asked for, and the kernel's code waits (sm_90+ code)
 };
 
 GpuShape current_gpu_shape(const DecodeConfig& c) {
@@ -57,11 +57,10 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
   GpuShape g;
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&g.num_sms, cudaDevAttrMultiProcessorCount, device));
-  int major = 0;
-  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  g.programmatic_launch = c.programmatic_launch && major >= 9;
   g.stages = dispatch::decode_stages(c.head_dim, c.pipeline_stages);
-  g.ctas_per_sm = dispatch::decode_ctas_per_sm(c.dtype, c.head_dim, g.stages);
+  const kernels::DecodeKernelInfo kernel = dispatch::decode_kernel_info(c.dtype, c.head_dim, g.stages);
+  g.ctas_per_sm = kernel.ctas_per_sm;
+  g.programmatic_launch = c.programmatic_launch && kernel.waits_for_preceding_grid;
   if (g.ctas_per_sm < 1) {
     throw Error("tessera::BatchDecoder: the decode kernel cannot be resident on this GPU "
                 "(occupancy 0 for its shared memory and registers)");

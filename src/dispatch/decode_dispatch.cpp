@@ -13,7 +13,7 @@ namespace kernels {
 #define TESSERA_DECLARE_DECODE(HD)                                                           \
   void launch_decode_sm80_hd##HD(DType dtype, const DecodeParams& p, const DecodeLaunch& l,  \
                                  cudaStream_t stream);                                       \
-  int decode_sm80_ctas_per_sm_hd##HD(DType dtype, int stages);                               \
+  DecodeKernelInfo decode_sm80_kernel_info_hd##HD(DType dtype, int stages);                 \
   int decode_sm80_smem_bytes_hd##HD(int stages);
 #if TESSERA_INST_HD64
 TESSERA_DECLARE_DECODE(64)
@@ -62,17 +62,17 @@ void launch_decode(DType dtype, int head_dim, const kernels::DecodeParams& param
   }
 }
 
-int decode_ctas_per_sm(DType dtype, int head_dim, int stages) {
+kernels::DecodeKernelInfo decode_kernel_info(DType dtype, int head_dim, int stages) {
   if (!decode_compiled(dtype, head_dim)) not_compiled(dtype, head_dim);
   switch (head_dim) {
 #if TESSERA_INST_HD64
-    case 64: return kernels::decode_sm80_ctas_per_sm_hd64(dtype, stages);
+    case 64: return kernels::decode_sm80_kernel_info_hd64(dtype, stages);
 #endif
 #if TESSERA_INST_HD128
-    case 128: return kernels::decode_sm80_ctas_per_sm_hd128(dtype, stages);
+    case 128: return kernels::decode_sm80_kernel_info_hd128(dtype, stages);
 #endif
 #if TESSERA_INST_HD256
-    case 256: return kernels::decode_sm80_ctas_per_sm_hd256(dtype, stages);
+    case 256: return kernels::decode_sm80_kernel_info_hd256(dtype, stages);
 #endif
     default: not_compiled(dtype, head_dim);
   }

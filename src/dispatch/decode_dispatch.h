@@ -18,7 +18,8 @@ void launch_decode(DType dtype, int head_dim, const kernels::DecodeParams& param
 // where it fits, else 2.
 int decode_stages(int head_dim, int requested);
 
-// Resident decode CTAs per SM on the current GPU, from the kernel's registers and shared memory.
-int decode_ctas_per_sm(DType dtype, int head_dim, int stages);
+// The decode kernel on the current GPU: resident CTAs per SM (from its registers and shared
+// memory) and whether it may be launched early behind the previous kernel.
+kernels::DecodeKernelInfo decode_kernel_info(DType dtype, int head_dim, int stages);
 
 }  // namespace tessera::dispatch

@@ -5,7 +5,9 @@
 // calls allow_dependent_launch() to let the next such kernel start launching its CTAs early.
 // What this hides is the launch itself: the gap between one kernel's last CTA and the next
 // kernel's first, a few microseconds that count against short, bandwidth-bound kernels (decode).
-// Both are no-ops on older architectures and when the kernel was launched without the attribute.
+// Both compile to nothing for architectures before sm_90 (a launcher must then not ask for an
+// early launch: check the loaded code's cudaFuncAttributes::ptxVersion), and do nothing when the
+// kernel was launched without the attribute.
 #pragma once
 
 #include <cuda_runtime.h>

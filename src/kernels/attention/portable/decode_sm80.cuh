@@ -275,14 +275,14 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads
 
   // K/V are read once per step: evict-first in L2 (b1 x 32K: 3.09 vs 3.02 TB/s, same run).
   const uint64_t kv_policy = l2_evict_first_policy();
-  // Task t runs work item t / num_kv_heads for KV head t % num_kv_heads (plan::task_of). The item
-  // is loaded together with the task count (the grid never exceeds the tasks' capacity, which
-  // bounds the items too, so the first load is in bounds): one round trip before the page ids.
   // Launched early behind the previous kernel (programmatic launch): everything below reads or
   // writes memory that kernel may still use. Once every CTA is past this point, the next kernel
   // may start launching behind this one.
   wait_for_preceding_grid();
   allow_dependent_launch();
+  // Task t runs work item t / num_kv_heads for KV head t % num_kv_heads (plan::task_of). The item
+  // is loaded together with the task count (the grid never exceeds the tasks' capacity, which
+  // bounds the items too, so the first load is in bounds): one round trip before the page ids.
   const int num_tasks = p.header->num_work;
   const int heads = p.num_kv_heads;
   plan::WorkItem next = p.work[blockIdx.x / heads];
@@ -609,7 +609,9 @@ void launch_decode_kernel(Kernel kernel, int threads, int smem_bytes, const Deco
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = launch.programmatic ? 1 : 0;
-  TESSERA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  const cudaError_t status = cudaLaunchKernelEx(&config, kernel, p);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by a later check
+  TESSERA_CUDA_CHECK(status);
 }
 
 template <typename T, int kHeadDim, int kStages>
@@ -638,20 +640,25 @@ int decode_smem_bytes(int stages) {
                      : DecodeTileConfig<kHeadDim, 3>::kSmemBytes;
 }
 
-// Resident decode CTAs per SM on the current GPU (what the planner balances a wave for).
+// The decode kernel on the current GPU: resident CTAs per SM (what the planner balances a wave
+// for), and whether the code the GPU runs was compiled for sm_90 or newer, so that it waits for
+// the preceding grid (a GPU that runs it from the compute_80 PTX must get plain launches).
+template <typename T, int kHeadDim, int kStages>
+DecodeKernelInfo decode_kernel_info_of() {
+  using Cfg = DecodeTileConfig<kHeadDim, kStages>;
+  const auto kernel = decode_kernel_ready<T, kHeadDim, PlainLogits, kStages>();
+  DecodeKernelInfo info;
+  TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&info.ctas_per_sm, kernel, Cfg::kThreads,
+                                                                   Cfg::kSmemBytes));
+  cudaFuncAttributes attributes{};
+  TESSERA_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  info.waits_for_preceding_grid = attributes.ptxVersion >= 90;
+  return info;
+}
+
 template <typename T, int kHeadDim>
-int decode_ctas_per_sm(int stages) {
-  int blocks = 0;
-  if (stages == 2) {
-    using Cfg = DecodeTileConfig<kHeadDim, 2>;
-    TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, decode_kernel_ready<T, kHeadDim, PlainLogits, 2>(), Cfg::kThreads, Cfg::kSmemBytes));
-  } else {
-    using Cfg = DecodeTileConfig<kHeadDim, 3>;
-    TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, decode_kernel_ready<T, kHeadDim, PlainLogits, 3>(), Cfg::kThreads, Cfg::kSmemBytes));
-  }
-  return blocks;
+DecodeKernelInfo decode_kernel_info(int stages) {
+  return stages == 2 ? decode_kernel_info_of<T, kHeadDim, 2>() : decode_kernel_info_of<T, kHeadDim, 3>();
 }
 
 }  // namespace tessera::kernels::sm80

@@ -68,7 +68,7 @@ struct PrefillConfig {
   // K(j+1) requested between the row maxima and the exponentials rather than after the softmax,
   // so that the exponentials and O += P V form one basic block: hd64 310.5 vs 303.6, hd256 324.0
   // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12).
-  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim != 128;
+  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64 || kWide;
 };
 
 // op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     }
   }
   // The pair's barrier (ids 1..kRowGroups; 0 is __syncthreads').
-  auto pair_sync = [&] { named_barrier_sync(1 + row_group, 64); };
+  auto pair_sync = [&] { named_barrier_sync(1 + row_group, kKeyHalves * 32); };
+  static_assert(kRowGroups < 16, "named barrier ids 1..15");
 
   const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
 
@@ -252,7 +253,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       }
     }
 
-
     // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
     // pay for the per-element test.
     if constexpr (!Logits::kIdentity) {
@@ -284,13 +284,13 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     // Online softmax: new row maxima (the 4 lanes of a row share them; a pair exchanges its two
     // key halves' through shared memory), rescale what came before.
     auto tile_row_max = [&](int mt, int r) {
-      auto pair_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
+      auto lane_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
       float m = row_max[mt][r];
       if constexpr (Config::kTreeRowReductions) {
-        m = fmaxf(m, tree_reduce<kSNTiles>(pair_max, [](float a, float b) { return fmaxf(a, b); }));
+        m = fmaxf(m, tree_reduce<kSNTiles>(lane_max, [](float a, float b) { return fmaxf(a, b); }));
       } else {
 #pragma unroll
-        for (int j = 0; j < kSNTiles; ++j) m = fmaxf(m, pair_max(j));
+        for (int j = 0; j < kSNTiles; ++j) m = fmaxf(m, lane_max(j));
       }
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
@@ -417,8 +417,9 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     }
     if constexpr (Config::kWarpPairs) {
       // The partner's half of P is stored. Waiting here, after this warp's own half of P V, measured
-      // 316.7 vs 313.4 TFLOP/s against waiting before it; a split arrive (after the stores) / sync
-      // (here) lost: 316.4 vs 322.7.
+      // 316.7 vs 313.4 TFLOP/s against waiting before it (v11 with K(j+1) requested after S); with
+      // K(j+1) after the softmax, a split bar.arrive (after the stores) / bar.sync (here) lost
+      // 316.4 vs 322.7 (prefill_portable.md v11).
       pair_sync();
 #pragma unroll
       for (int ks = 0; ks < kSKeys / 16; ++ks) {
