@@ -51,14 +51,14 @@ struct DecodeParams {
   float soft_cap = 0.f;
 };
 
-// Grid size of one run: the decode kernel walks the work list with `decode_ctas` CTAs (one per
-// item in eager mode; the capacity's maximum when captured into a CUDA graph).
 // What the decoder needs to know about its kernel on the current GPU.
 struct DecodeKernelInfo {
   int ctas_per_sm = 0;                    // resident CTAs per SM (registers, shared memory)
   bool waits_for_preceding_grid = false;  // its code has the programmatic-launch wait (sm_90+ code)
 };
 
+// Grid size of one run: the decode kernel walks the work list with `decode_ctas` CTAs (one per
+// item in eager mode; the capacity's maximum when captured into a CUDA graph).
 struct DecodeLaunch {
   int decode_ctas = 0;
   int stages = 3;  // K/V pipeline stages: 3, or 2 where shared memory is short (dispatch picks)

@@ -45,24 +45,32 @@ __device__ void copy_tile_rows(const SwizzledTile<T, kRows, kHeadDim>& tile, int
   }
 }
 
-// copy_tile_rows for a tile whose rows are all valid and lie `stride` elements apart: thread c
-// copies chunk c % kChunksPerRow of rows c / kChunksPerRow + i * kRowsPerPass, so its source
-// addresses differ by a fixed step (and its swizzled destinations by compile-time offsets when a
-// pass is a multiple of the 8-row swizzle period).
+// Copies of a whole tile in passes: thread c copies chunk c % kChunksPerRow of rows
+// c / kChunksPerRow + i * kRowsPerPass (i < kPasses), so its rows lie a fixed step apart (and its
+// swizzled destinations compile-time offsets apart when a pass is a multiple of the 8-row swizzle
+// period).
+template <int kRows, int kHeadDim, int kThreads>
+struct TileCopyPasses {
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = kRows / kRowsPerPass;
+  static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
+                "each pass of the threads covers whole rows");
+  __device__ static int row() { return threadIdx.x / kChunksPerRow; }  // in the first pass
+  __device__ static int col() { return (threadIdx.x % kChunksPerRow) * 8; }
+};
+
+// copy_tile_rows for a tile whose rows are all valid and lie `stride` elements apart.
 template <typename T, int kRows, int kHeadDim, int kThreads>
 __device__ void copy_full_tile_rows(const SwizzledTile<T, kRows, kHeadDim>& tile, const T* base,
                                     int64_t stride) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
-                "each pass of the threads covers whole rows");
-  const int row = threadIdx.x / kChunksPerRow;
-  const int col = (threadIdx.x % kChunksPerRow) * 8;
+  using Passes = TileCopyPasses<kRows, kHeadDim, kThreads>;
+  const int row = Passes::row(), col = Passes::col();
   const T* src = base + row * stride + col;
-  const int64_t step = kRowsPerPass * stride;
+  const int64_t step = Passes::kRowsPerPass * stride;
 #pragma unroll
-  for (int i = 0; i < kRows / kRowsPerPass; ++i)
-    cp_async_16(tile.at(row + i * kRowsPerPass, col), src + i * step, true);
+  for (int i = 0; i < Passes::kPasses; ++i)
+    cp_async_16(tile.at(row + i * Passes::kRowsPerPass, col), src + i * step, true);
 }
 
 // kFullTileCopy: tiles wholly inside the request are copied by copy_full_tile_rows.
@@ -150,23 +158,18 @@ struct PagedKV {
       }
     }
   }
-  // Thread c copies chunk c % kChunksPerRow of rows c / kChunksPerRow + i * kRowsPerPass. Every
-  // row's offset is a valid address (rows past kv_len repeat the last row's), so the offsets are
-  // all read before the first copy is issued: read one by one, each copy waited on its shared
-  // load (ncu at hd64: short-scoreboard stalls 15% of the paged kernel's samples against 7% of
-  // the ragged kernel's).
+  // Copies in TileCopyPasses' order. Every row's offset is a valid address (rows past kv_len
+  // repeat the last row's), so the offsets are all read before the first copy is issued: read one
+  // by one, each copy waited on its shared load (ncu at hd64: short-scoreboard stalls 15% of the
+  // paged kernel's samples against 7% of the ragged kernel's).
   __device__ void load(const PrefillParams& p, const SwizzledTile<T, kBlockN, kHeadDim>& tile,
                        int n0, int buf, KVPart part) const {
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-    constexpr int kPasses = kBlockN / kRowsPerPass;
-    static_assert(kThreads % kChunksPerRow == 0 && kBlockN % kRowsPerPass == 0,
-                  "each pass of the threads covers whole rows");
+    using Passes = TileCopyPasses<kBlockN, kHeadDim, kThreads>;
+    constexpr int kPasses = Passes::kPasses, kRowsPerPass = Passes::kRowsPerPass;
     const bool keys = part == KVPart::kKeys;
     const T* base = static_cast<const T*>(keys ? p.k : p.v);
     const int64_t* offsets = row_offsets + buf * 2 * kBlockN + (keys || same_layout(p) ? 0 : kBlockN);
-    const int row = threadIdx.x / kChunksPerRow;
-    const int col = (threadIdx.x % kChunksPerRow) * 8;
+    const int row = Passes::row(), col = Passes::col();
     int64_t row_offset[kPasses];
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) row_offset[i] = offsets[row + i * kRowsPerPass];
