@@ -61,8 +61,10 @@ struct DecodeConfig {
   // Programmatic dependent launch (where the GPU runs the kernel's sm_90+ code; plain launches
   // otherwise): run()'s kernel may start launching
   // while the kernel ahead of it in the stream finishes, and waits for that kernel's completion
-  // before it touches any memory, so results are the same. It hides the launch gap between the
-  // two kernels (a few microseconds, which a short decode step feels). False: plain launches.
+  // before it touches any memory but the decoder's own plan (written only by plan()'s copy), so
+  // results are the same. It hides the launch gap between the two kernels and the plan's first
+  // read (a few microseconds, which a short decode step feels). False: plain launches. The
+  // kernel ahead must not write this decoder's workspace.
   bool programmatic_launch = true;
 };
 

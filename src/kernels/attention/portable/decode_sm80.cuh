@@ -275,17 +275,20 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads
 
   // K/V are read once per step: evict-first in L2 (b1 x 32K: 3.09 vs 3.02 TB/s, same run).
   const uint64_t kv_policy = l2_evict_first_policy();
-  // Launched early behind the previous kernel (programmatic launch): everything below reads or
-  // writes memory that kernel may still use. Once every CTA is past this point, the next kernel
-  // may start launching behind this one.
-  wait_for_preceding_grid();
-  allow_dependent_launch();
   // Task t runs work item t / num_kv_heads for KV head t % num_kv_heads (plan::task_of). The item
   // is loaded together with the task count (the grid never exceeds the tasks' capacity, which
   // bounds the items too, so the first load is in bounds): one round trip before the page ids.
+  // The plan is read before waiting for the previous kernel: only plan()'s copy writes it, and a
+  // copy is never overlapped by a programmatic launch, so under a stream of steps this round trip
+  // runs while the previous kernel finishes.
   const int num_tasks = p.header->num_work;
   const int heads = p.num_kv_heads;
   plan::WorkItem next = p.work[blockIdx.x / heads];
+  // Launched early behind the previous kernel (programmatic launch): everything below reads or
+  // writes memory that kernel may still use (Q, the page table, the pages, the outputs, the
+  // merge counters). Once every CTA is past this point, the next kernel may start launching.
+  wait_for_preceding_grid();
+  allow_dependent_launch();
   for (int task = blockIdx.x; task < num_tasks; task += gridDim.x) {
     const plan::Task w = plan::task_of(next, task % heads);
     const plan::RequestInfo req = next.req;

@@ -69,6 +69,10 @@ struct PrefillConfig {
   // so that the exponentials and O += P V form one basic block: hd64 310.5 vs 303.6, hd256 324.0
   // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12).
   static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64 || kWide;
+  // O rescaled on every tile, so that no branch separates the maxima from the exponentials
+  // (prefill_portable.md v13): hd64 8K 317.7 vs 308.2 TFLOP/s, wide hd256 8K 330.5 vs 323.9 and
+  // 16K causal 336.1 vs 329.9. hd128 (v12 order) lost 3-4% to spills with it.
+  static constexpr bool kRescaleEveryTile = kExponentialsAfterKeyRequest;
 };
 
 // op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
@@ -342,10 +346,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + sum;
     };
     // A row whose maximum did not move has rescale exactly 1 (ex2 of 0): O is rescaled only when
-    // some row of the warp moved, which after the first tiles is rare. Results are bitwise those
-    // of rescaling always.
+    // some row of the warp moved, which after the first tiles is rare (or on every tile:
+    // kRescaleEveryTile). Results are bitwise those of rescaling always.
     auto rescale_o = [&] {
-      if (__any_sync(0xffffffffu, max_moved)) {
+      if (Config::kRescaleEveryTile || __any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
