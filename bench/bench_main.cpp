@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ceilings.h"
+#include "dispatch/prefill_dispatch.h"
 #include "tessera/decode.h"
 #include "tessera/tessera.h"
 #include "timing.h"
@@ -235,6 +236,10 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   PrefillProblem prob(batch, seq, qh, kh, d, causal);
   PrefillArgs& pa = prob.args;
   pa.path = path;
+  // smem_limit_kb: run the tile shape a GPU with that much shared memory per block gets (99 on
+  // sm_86 / sm_89: the compact hd256 prefill), timed on this GPU.
+  const long smem_limit_kb = arg_int(a, "smem_limit_kb", "0");
+  dispatch::limit_shared_memory_per_block(static_cast<int>(smem_limit_kb * 1024));
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);
