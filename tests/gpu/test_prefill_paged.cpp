@@ -285,6 +285,30 @@ TEST(GpuPrefillPaged, HeadDimsDtypesAndVariants) {
   }
 }
 
+// ---- 2b. The compact tile shape -------------------------------------------------------------------
+// GPUs with 99 KB of shared memory per block (sm_86, sm_89) run hd256 paged prefill with the compact
+// tile shape too; the limit is imposed on this GPU to run it, over pages of 1, 16 and 64 tokens.
+TEST(GpuPrefillPaged, CompactTileShapeForLessSharedMemory) {
+  TESSERA_REQUIRE_GPU();
+  const SharedMemoryLimit limit(99 * 1024);  // sm_86 / sm_89
+  uint32_t seed = 150;
+  for (int page_size : {1, 16, 64}) {
+    PagedCase c;
+    c.kv.dtype = prefill_compiled(256, DType::kBF16) ? DType::kBF16 : DType::kFP16;
+    c.kv.head_dim = 256;
+    c.kv.layout = page_size == 16 ? KVLayout::kNHD : KVLayout::kHND;
+    c.kv.page_size = page_size;
+    c.num_qo_heads = 8;
+    c.kv.num_kv_heads = 2;
+    c.qo_len = {97, 1, 40};
+    c.kv_len = {577, 40, 300};
+    c.causal = page_size != 1;
+    c.window_left = page_size == 64 ? 70 : -1;
+    c.soft_cap = page_size == 64 ? 5.f : 0.f;
+    run_case(c, seed++);
+  }
+}
+
 // ---- 3. Paged == ragged ------------------------------------------------------------------------------
 // The same tokens laid out ragged ([total_kv, heads, head_dim], batch_prefill) and paged (shuffled
 // pages, NaN everywhere no request owns, batch_prefill_paged) give bitwise identical O and LSE.

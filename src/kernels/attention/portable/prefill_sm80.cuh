@@ -67,12 +67,14 @@ struct PrefillConfig {
   static constexpr bool kTreeRowReductions = kHeadDim == 64;
   // K(j+1) requested between the row maxima and the exponentials rather than after the softmax,
   // so that the exponentials and O += P V form one basic block: hd64 310.5 vs 303.6, hd256 324.0
-  // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12).
-  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64 || kWide;
+  // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12). The compact
+  // hd256 shape, timed on the H200 under a 99 KB limit: 288.0 vs 275.5 (16K causal 292.0 vs 281.7).
+  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64 || kHeadDim == 256;
   // O rescaled on every tile, so that no branch separates the maxima from the exponentials
   // (prefill_portable.md v13): hd64 8K 317.7 vs 308.2 TFLOP/s, wide hd256 8K 330.5 vs 323.9 and
-  // 16K causal 336.1 vs 329.9. hd128 (v12 order) lost 3-4% to spills with it.
-  static constexpr bool kRescaleEveryTile = kExponentialsAfterKeyRequest;
+  // 16K causal 336.1 vs 329.9. hd128 (v12 order) lost 3-4% to spills with it; the compact hd256
+  // shape is even with it (285.6 vs 288.0 at 8K, 292.3 vs 292.0 at 16K causal), so it keeps the branch.
+  static constexpr bool kRescaleEveryTile = kHeadDim == 64 || kWide;
 };
 
 // op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
