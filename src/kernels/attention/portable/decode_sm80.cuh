@@ -598,7 +598,7 @@ auto decode_kernel_ready() {
 }
 
 // launch.programmatic: the kernel may start launching while the previous kernel in the stream
-// finishes (sm_90+; the kernel waits for it before touching memory).
+// finishes (sm_90+; the kernel waits for it before touching anything but its own plan).
 template <typename Kernel>
 void launch_decode_kernel(Kernel kernel, int threads, int smem_bytes, const DecodeParams& p,
                           const DecodeLaunch& launch, cudaStream_t stream) {
