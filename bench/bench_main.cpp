@@ -6,6 +6,7 @@
 //   tessera_bench merge name=... rows=16384 heads=32 head_dim=128 n=2 in_dtype=bf16 out_dtype=bf16
 //   tessera_bench decode name=b64_kv4096_p16 batch=64 kv_len=4096 num_qo_heads=32 num_kv_heads=8 head_dim=128 page_size=16
 //                 [layout=NHD|HND] [dtype=bf16|fp16] [lengths=uniform|zipf zipf_s=1.1 seed=1]
+//                 [pipeline_stages=0|2|3] [ctas_per_sm=0|1|2] (0: what the decoder picks)
 //   tessera_bench prefill | prefill_portable name=... batch=... seq=... num_qo_heads=... num_kv_heads=... head_dim=... causal=...
 //   tessera_bench memory name=... seq=... head_dim=... [causal=...]
 #include <algorithm>
@@ -382,6 +383,7 @@ int bench_decode(const Args& a) {
   cfg.max_qo_len = 1;
   cfg.programmatic_launch = arg_int(a, "programmatic", "1") != 0;
   cfg.pipeline_stages = static_cast<int>(arg_int(a, "pipeline_stages", "0"));
+  cfg.ctas_per_sm = static_cast<int>(arg_int(a, "ctas_per_sm", "0"));
   const size_t ws_bytes = BatchDecoder::workspace_bytes(cfg);
   Buffer ws(ws_bytes);
   BatchDecoder decoder(cfg, ws.get(), ws_bytes);
@@ -423,10 +425,10 @@ int bench_decode(const Args& a) {
   char extra[512];
   std::snprintf(extra, sizeof(extra),
                 ", \"rotations\": %d, \"kv_tokens\": %lld, \"max_kv_len\": %d, \"chunk_tokens\": %d, "
-                "\"work_items\": %d, \"split_requests\": %d, \"grid_ctas\": %d, \"plan_us\": %.3f, "
+                "\"work_items\": %d, \"split_requests\": %d, \"grid_ctas\": %d, \"ctas_per_sm\": %d, \"plan_us\": %.3f, "
                 "\"plan_checked_us\": %.3f, \"stream_us\": %.3f, \"stream_tbs\": %.4f",
                 rot, static_cast<long long>(kv_tokens), max_kv, info.chunk_tokens, info.num_work_items,
-                info.num_split_requests, info.grid_ctas, plan_median_us, plan_checked_us,
+                info.num_split_requests, info.grid_ctas, info.ctas_per_sm, plan_median_us, plan_checked_us,
                 stream_step_ms * 1e3, bytes / (stream_step_ms * 1e-3) / 1e12);
   print_record("decode", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3, extra);
   return 0;

@@ -43,12 +43,15 @@ void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
   detail::check_variant(check, c.window_left, c.scale, c.soft_cap);
   TESSERA_REQUIRE(check, c.pipeline_stages == 0 || c.pipeline_stages == 2 || c.pipeline_stages == 3,
                   "pipeline_stages", "must be 0 (automatic), 2 or 3, got " + std::to_string(c.pipeline_stages));
+  TESSERA_REQUIRE(check, c.ctas_per_sm >= 0 && c.ctas_per_sm <= 2, "ctas_per_sm",
+                  "must be 0 (automatic), 1 or 2, got " + std::to_string(c.ctas_per_sm));
 }
 
 struct GpuShape {
   int num_sms = 0;
   int stages = 3;  // the decode kernel's K/V pipeline stages on this GPU
-  int ctas_per_sm = 0;
+  int ctas_per_sm = 0;         // of the default (two-per-SM) shape
+  bool one_cta_per_sm = false;  // the one-CTA-per-SM shape is compiled, fits and may be planned
   bool programmatic_launch = false;  // asked for, and the kernel's code waits (sm_90+ code)
 };
 
@@ -58,12 +61,24 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
   GpuShape g;
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&g.num_sms, cudaDevAttrMultiProcessorCount, device));
   g.stages = dispatch::decode_stages(c.head_dim, c.pipeline_stages);
-  const kernels::DecodeKernelInfo kernel = dispatch::decode_kernel_info(c.dtype, c.head_dim, g.stages);
+  const kernels::DecodeKernelInfo kernel = dispatch::decode_kernel_info(c.dtype, c.head_dim, g.stages, 2);
   g.ctas_per_sm = kernel.ctas_per_sm;
   g.programmatic_launch = c.programmatic_launch && kernel.waits_for_preceding_grid;
   if (g.ctas_per_sm < 1) {
     throw Error("tessera::BatchDecoder: the decode kernel cannot be resident on this GPU "
                 "(occupancy 0 for its shared memory and registers)");
+  }
+  if (c.ctas_per_sm != 2 && g.stages == 3 && g.ctas_per_sm >= 2 &&
+      dispatch::decode_one_cta_per_sm_fits(c.head_dim)) {
+    g.one_cta_per_sm = dispatch::decode_kernel_info(c.dtype, c.head_dim, 3, 1).ctas_per_sm >= 1;
+  }
+  if (c.ctas_per_sm == 1 && !g.one_cta_per_sm) {
+    throw Error("tessera::BatchDecoder: DecodeConfig.ctas_per_sm = 1 needs the one-CTA-per-SM decode "
+                "shape, which exists at head_dim 128 and 256 with 3 pipeline stages on GPUs with at "
+                "least " + std::to_string(dispatch::decode_one_cta_per_sm_bytes(c.head_dim)) +
+                " bytes of shared memory per block; head_dim " + std::to_string(c.head_dim) +
+                ", " + std::to_string(g.stages) + " stages, this GPU allows " +
+                std::to_string(dispatch::shared_memory_per_block()));
   }
   return g;
 }
@@ -84,6 +99,7 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.head_dim = c.head_dim;
   cap.num_sms = g.num_sms;
   cap.ctas_per_sm = g.ctas_per_sm;
+  cap.one_cta_per_sm_shape = g.one_cta_per_sm;
   cap.window_left = effective_window(c.window_left);
   return cap;
 }
@@ -107,6 +123,7 @@ struct BatchDecoder::Impl {
   void* staging = nullptr;         // pinned host image of the plan
   cudaEvent_t copied = nullptr;    // the staging buffer's last copy has completed
   bool planned = false;
+  plan::CtaShape plan_shape = plan::CtaShape::kDefault;  // the kernel shape of the last plan
   int device = 0;
   // What run() checks its arguments against.
   int64_t total_q = 0;
@@ -119,7 +136,11 @@ struct BatchDecoder::Impl {
   DecodePlanInfo info;
 
   Impl(const DecodeConfig& c, const GpuShape& g)
-      : config(c), gpu(g), planner(capacity_for(c, g), split_policy()) {}
+      : config(c), gpu(g), planner(capacity_for(c, g), split_policy()) {
+    if (c.ctas_per_sm != 0) {
+      planner.pin_shape(c.ctas_per_sm == 1 ? plan::CtaShape::kOneCtaPerSm : plan::CtaShape::kDefault);
+    }
+  }
   ~Impl() {
     if (copied) cudaEventDestroy(copied);
     if (staging) cudaFreeHost(staging);
@@ -224,6 +245,8 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
   im.info.num_split_requests = static_cast<int>(plan.merges.size());
   im.info.chunk_tokens = plan.chunk_tokens;
   im.info.grid_ctas = plan.num_tasks;
+  im.info.ctas_per_sm = plan.shape == plan::CtaShape::kOneCtaPerSm ? 1 : 2;
+  im.plan_shape = plan.shape;
 }
 
 void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const PageTable& table,
@@ -336,8 +359,11 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   launch.decode_ctas = capture != cudaStreamCaptureStatusNone ? im.planner.max_work_items()
                                                                : im.info.num_work_items;
   launch.stages = im.gpu.stages;
+  launch.one_cta_per_sm = im.plan_shape == plan::CtaShape::kOneCtaPerSm;
   launch.programmatic = im.gpu.programmatic_launch;
   if (capture != cudaStreamCaptureStatusNone) {
+    // The graph holds this shape's kernel: later plans are balanced for it.
+    impl_->planner.pin_shape(im.plan_shape);
     Impl::CapturedBounds& g = impl_->graph;
     g.captured = true;
     g.q_rows = std::min(g.q_rows, q.size(0));

@@ -13,8 +13,8 @@ namespace kernels {
 #define TESSERA_DECLARE_DECODE(HD)                                                           \
   void launch_decode_sm80_hd##HD(DType dtype, const DecodeParams& p, const DecodeLaunch& l,  \
                                  cudaStream_t stream);                                       \
-  DecodeKernelInfo decode_sm80_kernel_info_hd##HD(DType dtype, int stages);                 \
-  int decode_sm80_smem_bytes_hd##HD(int stages);
+  DecodeKernelInfo decode_sm80_kernel_info_hd##HD(DType dtype, int stages, int ctas_per_sm); \
+  int decode_sm80_smem_bytes_hd##HD(int stages, int ctas_per_sm);
 #if TESSERA_INST_HD64
 TESSERA_DECLARE_DECODE(64)
 #endif
@@ -62,38 +62,46 @@ void launch_decode(DType dtype, int head_dim, const kernels::DecodeParams& param
   }
 }
 
-kernels::DecodeKernelInfo decode_kernel_info(DType dtype, int head_dim, int stages) {
+kernels::DecodeKernelInfo decode_kernel_info(DType dtype, int head_dim, int stages, int ctas_per_sm) {
   if (!decode_compiled(dtype, head_dim)) not_compiled(dtype, head_dim);
   switch (head_dim) {
 #if TESSERA_INST_HD64
-    case 64: return kernels::decode_sm80_kernel_info_hd64(dtype, stages);
+    case 64: return kernels::decode_sm80_kernel_info_hd64(dtype, stages, ctas_per_sm);
 #endif
 #if TESSERA_INST_HD128
-    case 128: return kernels::decode_sm80_kernel_info_hd128(dtype, stages);
+    case 128: return kernels::decode_sm80_kernel_info_hd128(dtype, stages, ctas_per_sm);
 #endif
 #if TESSERA_INST_HD256
-    case 256: return kernels::decode_sm80_kernel_info_hd256(dtype, stages);
+    case 256: return kernels::decode_sm80_kernel_info_hd256(dtype, stages, ctas_per_sm);
 #endif
     default: not_compiled(dtype, head_dim);
   }
 }
 
 namespace {
-int decode_smem_bytes(int head_dim, int stages) {
+// 0 when the shape is not compiled.
+int decode_smem_bytes(int head_dim, int stages, int ctas_per_sm = 2) {
   switch (head_dim) {
 #if TESSERA_INST_HD64
-    case 64: return kernels::decode_sm80_smem_bytes_hd64(stages);
+    case 64: return kernels::decode_sm80_smem_bytes_hd64(stages, ctas_per_sm);
 #endif
 #if TESSERA_INST_HD128
-    case 128: return kernels::decode_sm80_smem_bytes_hd128(stages);
+    case 128: return kernels::decode_sm80_smem_bytes_hd128(stages, ctas_per_sm);
 #endif
 #if TESSERA_INST_HD256
-    case 256: return kernels::decode_sm80_smem_bytes_hd256(stages);
+    case 256: return kernels::decode_sm80_smem_bytes_hd256(stages, ctas_per_sm);
 #endif
     default: return 0;
   }
 }
 }  // namespace
+
+int decode_one_cta_per_sm_bytes(int head_dim) { return decode_smem_bytes(head_dim, 3, 1); }
+
+bool decode_one_cta_per_sm_fits(int head_dim) {
+  const int needed = decode_smem_bytes(head_dim, 3, 1);
+  return needed > 0 && needed <= shared_memory_per_block();
+}
 
 int decode_stages(int head_dim, int requested) {
   const int smem_optin = shared_memory_per_block();

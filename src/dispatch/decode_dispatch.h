@@ -18,8 +18,15 @@ void launch_decode(DType dtype, int head_dim, const kernels::DecodeParams& param
 // where it fits, else 2.
 int decode_stages(int head_dim, int requested);
 
-// The decode kernel on the current GPU: resident CTAs per SM (from its registers and shared
-// memory) and whether it may be launched early behind the previous kernel.
-kernels::DecodeKernelInfo decode_kernel_info(DType dtype, int head_dim, int stages);
+// Whether the one-CTA-per-SM decode shape (3 stages of 64 KB) is compiled at this head dim and
+// fits the current GPU's shared memory per block (sm_90: yes; A100's 163 KB and 99 KB parts: no).
+bool decode_one_cta_per_sm_fits(int head_dim);
+// Its shared memory per block (0 where it is not compiled).
+int decode_one_cta_per_sm_bytes(int head_dim);
+
+// A decode kernel shape on the current GPU: resident CTAs per SM (from its registers and shared
+// memory) and whether it may be launched early behind the previous kernel. ctas_per_sm 1 needs
+// decode_one_cta_per_sm_fits.
+kernels::DecodeKernelInfo decode_kernel_info(DType dtype, int head_dim, int stages, int ctas_per_sm);
 
 }  // namespace tessera::dispatch

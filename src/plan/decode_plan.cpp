@@ -102,6 +102,38 @@ int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {
   return items * cap_.num_kv_heads;
 }
 
+int64_t DecodePlanner::chunk_for_wave(int32_t wave, int64_t gran, int64_t longest) const {
+  // The smallest multiple of the granularity, at least min_chunk_tokens, whose work list fits one
+  // wave. items_for_chunk() never grows with the chunk, so binary search over granules. When even
+  // the unsplit list overfills the wave, see below.
+  const int64_t hi_granules = std::max<int64_t>(1, (longest + gran - 1) / gran);
+  int64_t lo = std::min(hi_granules, (int64_t(policy_.min_chunk_tokens) + gran - 1) / gran);
+  int64_t hi = hi_granules;
+  if (items_for_chunk(hi * gran) <= wave) {
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (items_for_chunk(mid * gran) <= wave) hi = mid; else lo = mid + 1;
+    }
+  } else {
+    // Overfilled: the CTAs take items as SMs free up, so the makespan is about the average load
+    // per CTA slot plus the longest item. Requests longer than that average (a skewed batch's
+    // few long ones) are split to it; everything else stays whole.
+    int64_t total = 0;
+    for (int64_t len : kv_len_) total += len;
+    const int64_t average = (total * cap_.num_kv_heads + wave - 1) / wave;
+    hi = std::min(hi_granules, std::max(lo, (average + gran - 1) / gran));
+  }
+  return hi * gran;
+}
+
+void DecodePlanner::pin_shape(CtaShape shape) {
+  if (shape == CtaShape::kOneCtaPerSm && !cap_.one_cta_per_sm_shape) {
+    fail("shape", "the capacity has no one-CTA-per-SM decode shape (one_cta_per_sm_shape)");
+  }
+  shape_pinned_ = true;
+  pinned_shape_ = shape;
+}
+
 const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_indptr,
                                 void* image) {
   const int32_t batch = kv.num_rows;
@@ -143,29 +175,28 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     longest = std::max(longest, kv_len_.back());
   }
 
-  // The chunk length: the smallest multiple of the granularity, at least min_chunk_tokens, whose
-  // work list fits one wave. items_for_chunk() never grows with the chunk, so binary search over
-  // granules. When even the unsplit list overfills the wave, see below.
+  // The chunk length for the default shape's wave and, where the one-CTA-per-SM shape exists,
+  // for its wave of num_sms CTAs; that shape is taken when its list fits its wave and its longest
+  // task is at most 2 x the default's (with a 1/16 margin: it saves chunks and merges; measured
+  // in notes/decode.md, v12). A CTA of that shape streams as fast as the two of the default shape
+  // that the SM would otherwise hold.
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
   const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
-  const int64_t hi_granules = std::max<int64_t>(1, (longest + gran - 1) / gran);
-  int64_t lo = std::min(hi_granules, (int64_t(policy_.min_chunk_tokens) + gran - 1) / gran);
-  int64_t hi = hi_granules;
-  if (items_for_chunk(hi * gran) <= wave) {
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (items_for_chunk(mid * gran) <= wave) hi = mid; else lo = mid + 1;
+  int64_t chunk = chunk_for_wave(wave, gran, longest);
+  plan_.shape = CtaShape::kDefault;
+  plan_.wave_ctas = wave;
+  if (cap_.one_cta_per_sm_shape && !(shape_pinned_ && pinned_shape_ == CtaShape::kDefault)) {
+    const int32_t wide_wave = cap_.num_sms * policy_.waves;
+    const int64_t wide_chunk = chunk_for_wave(wide_wave, gran, longest);
+    const int64_t longest_task = std::min(chunk, longest);
+    const int64_t wide_longest_task = std::min(wide_chunk, longest);
+    const bool fits = items_for_chunk(wide_chunk) <= wide_wave;
+    if (shape_pinned_ || (fits && wide_longest_task * 16 <= longest_task * 2 * 17)) {
+      chunk = wide_chunk;
+      plan_.shape = CtaShape::kOneCtaPerSm;
+      plan_.wave_ctas = wide_wave;
     }
-  } else {
-    // Overfilled: the CTAs take items as SMs free up, so the makespan is about the average load
-    // per CTA slot plus the longest item. Requests longer than that average (a skewed batch's
-    // few long ones) are split to it; everything else stays whole.
-    int64_t total = 0;
-    for (int64_t len : kv_len_) total += len;
-    const int64_t average = (total * cap_.num_kv_heads + wave - 1) / wave;
-    hi = std::min(hi_granules, std::max(lo, (average + gran - 1) / gran));
   }
-  const int64_t chunk = hi * gran;
   const bool any_split = chunk < longest;
 
   // Longest first; ties by request id. One packed key per request keeps the sort to plain
@@ -183,7 +214,6 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   plan_.merges.clear();
   plan_.slot_row_offset.assign(1, 0);
   plan_.chunk_tokens = any_split ? static_cast<int32_t>(chunk) : 0;
-  plan_.wave_ctas = wave;
   WorkItem* out = work;
   for (int64_t key : keys_) {
     const int32_t r = static_cast<int32_t>(key & 0xffffffff);

@@ -15,6 +15,14 @@
 // tasks to SMs as they free up. (One item per head made the planner write num_kv_heads times the
 // bytes: 2048 items of 40 bytes at 256 requests x 8 KV heads, most of its time.)
 //
+// CTA shape: the decode kernel has a default shape (ctas_per_sm CTAs per SM) and, where the GPU
+// holds it, a one-CTA-per-SM shape with twice the warps and stage bytes (one_cta_per_sm_shape).
+// The planner balances the list for both and takes the one-per-SM plan when its longest task is at
+// most 2 x the default plan's (each CTA of the wide shape streams twice as fast) with a 1/16
+// margin: it then runs with fewer chunks, and a batch whose (request, KV head) items about fill
+// the SMs runs unsplit (no partials, no merge). A plan's shape can be pinned (CUDA-graph capture
+// fixed the kernel).
+//
 // Requests with no query token this step get no work. Deterministic, allocation-free after
 // construction (every buffer is sized from PlanCapacity, so
 // the device copy of the plan has fixed addresses for CUDA-graph replay), pure C++.
@@ -36,9 +44,14 @@ struct PlanCapacity {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t num_sms = 0;      // of the GPU the plan runs on
-  int32_t ctas_per_sm = 1;  // resident CTAs of the decode kernel per SM
+  int32_t ctas_per_sm = 1;  // resident CTAs of the decode kernel per SM (its default shape)
+  bool one_cta_per_sm_shape = false;  // the kernel also has the one-CTA-per-SM shape here
   int32_t window_left = -1; // >= 0: sliding window; only keys the window can see are planned
 };
+
+// The decode kernel's CTA shapes: the default one (PlanCapacity::ctas_per_sm CTAs per SM), and one
+// CTA per SM with twice the warps and stage bytes.
+enum class CtaShape : int8_t { kDefault, kOneCtaPerSm };
 
 struct SplitPolicy {
   int32_t waves = 1;               // a split list may fill this many waves of CTAs
@@ -123,6 +136,7 @@ struct Plan {
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
   int32_t chunk_tokens = 0;               // chosen chunk length; 0 when nothing is split
   int32_t wave_ctas = 0;                  // num_sms x ctas_per_sm the plan was balanced for
+  CtaShape shape = CtaShape::kDefault;    // the kernel shape it was balanced for
 
   int32_t num_slots() const { return static_cast<int32_t>(slot_row_offset.size()) - 1; }
   // Every task in launch order (task t = item t / heads, head t % heads). For tests and tools.
@@ -179,6 +193,10 @@ class DecodePlanner {
   const WorkspaceLayout& layout() const { return layout_; }
   std::size_t workspace_bytes() const { return layout_.total; }
 
+  // Plans every later step for one kernel shape (kOneCtaPerSm needs the capacity's
+  // one_cta_per_sm_shape: tessera::Error otherwise).
+  void pin_shape(CtaShape shape);
+
   // Writes the last plan into `image` (host memory, at least layout().plan_bytes bytes, ideally
   // pinned) at the layout's offsets, ready for one asynchronous copy to the workspace. (plan()
   // with an image does this itself.)
@@ -186,12 +204,16 @@ class DecodePlanner {
 
  private:
   int64_t items_for_chunk(int64_t chunk) const;
+  // The smallest chunk (tokens) whose work list fits `wave` CTAs, or the overfilled rule's.
+  int64_t chunk_for_wave(int32_t wave, int64_t granularity, int64_t longest) const;
 
   PlanCapacity cap_;
   SplitPolicy policy_;
   int32_t group_ = 1;
   int32_t max_work_ = 0;
   int32_t max_slots_ = 0;
+  bool shape_pinned_ = false;
+  CtaShape pinned_shape_ = CtaShape::kDefault;
   WorkspaceLayout layout_;
   Plan plan_;
   std::vector<WorkItem> work_storage_;  // the work list when plan() is given no image

@@ -216,6 +216,95 @@ TEST(DecodePlan, SkewedBatchSplitsOnlyTheLongRequests) {
   EXPECT_EQ(plan.work.front().request, 7) << "longest first";
 }
 
+// ---- The one-CTA-per-SM kernel shape ---------------------------------------------------------------
+PlanCapacity h200_decode_two_shapes(int32_t max_batch) {
+  PlanCapacity c = h200_decode(max_batch);
+  c.ctas_per_sm = 2;  // the default shape at hd128 on an H200
+  c.one_cta_per_sm_shape = true;
+  return c;
+}
+
+TEST(DecodePlan, BatchThatFillsTheSmsRunsUnsplitWithOneCtaPerSm) {
+  // 16 x 8192 tokens x 8 KV heads = 128 items for 132 SMs: unsplit with one CTA per SM, rather
+  // than 256 chunks of 4096 (and their merges) with two, which is all a capacity without the
+  // one-CTA-per-SM shape can do.
+  Batch b(16, std::vector<int64_t>(16, 8192));
+  for (bool has_shape : {true, false}) {
+    PlanCapacity cap = h200_decode_two_shapes(256);
+    cap.one_cta_per_sm_shape = has_shape;
+    DecodePlanner planner(cap);
+    const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+    SCOPED_TRACE(has_shape ? "with the one-CTA-per-SM shape" : "default shape only");
+    check_plan(plan, b, cap);
+    EXPECT_EQ(plan.shape, has_shape ? CtaShape::kOneCtaPerSm : CtaShape::kDefault);
+    EXPECT_EQ(plan.chunk_tokens, has_shape ? 0 : 4096);
+    EXPECT_EQ(plan.num_tasks, has_shape ? 128 : 256);
+    EXPECT_EQ(plan.wave_ctas, has_shape ? 132 : 264);
+    EXPECT_EQ(plan.merges.size(), has_shape ? 0u : 128u);
+  }
+}
+
+TEST(DecodePlan, OneCtaPerSmOnlyWhereItsLongestTaskIsNoWorse) {
+  const PlanCapacity cap = h200_decode_two_shapes(256);
+  struct Expect {
+    std::vector<int64_t> kv_len;
+    CtaShape shape;
+    int32_t chunk_tokens;
+  };
+  std::vector<int64_t> skewed(16, 2048);
+  skewed[3] = 32768;
+  const std::vector<Expect> cases = {
+      // One request: 16 chunks of 2048 on 132 SMs vs 33 of 1008 on 264 slots (2048 <= 2 x 1008
+      // within the 1/16 margin): fewer chunks to merge.
+      {{32768}, CtaShape::kOneCtaPerSm, 2048},
+      // 9 x 8192 = 72 items: unsplit on 72 SMs (8192) loses to 3 chunks each on 216 slots (2 x 2736).
+      {std::vector<int64_t>(9, 8192), CtaShape::kDefault, 2736},
+      // 17 x 8192 = 136 items overfill the 132 SMs.
+      {std::vector<int64_t>(17, 8192), CtaShape::kDefault, 0},
+      // 64 x 4096 = 512 items overfill both waves: never split, default shape.
+      {std::vector<int64_t>(64, 4096), CtaShape::kDefault, 0},
+      // One long request among short ones: 16 chunks of 2048 for it on 264 slots; on 132 SMs it
+      // could not be split at all (15 short requests x 8 heads leave 12 CTAs).
+      {skewed, CtaShape::kDefault, 2048},
+  };
+  for (const Expect& e : cases) {
+    Batch b(16, e.kv_len);
+    DecodePlanner planner(cap);
+    const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+    SCOPED_TRACE(::testing::Message() << e.kv_len.size() << " requests, longest "
+                                      << *std::max_element(e.kv_len.begin(), e.kv_len.end()));
+    check_plan(plan, b, cap);
+    EXPECT_EQ(plan.shape, e.shape);
+    EXPECT_EQ(plan.chunk_tokens, e.chunk_tokens);
+    EXPECT_EQ(plan.wave_ctas, e.shape == CtaShape::kOneCtaPerSm ? 132 : 264);
+    EXPECT_LE(plan.num_tasks, planner.max_work_items());
+    EXPECT_LE(plan.num_slots(), planner.max_slots());
+  }
+}
+
+TEST(DecodePlan, PinnedShapeHoldsForEveryLaterPlan) {
+  const PlanCapacity cap = h200_decode_two_shapes(256);
+  Batch fills(16, std::vector<int64_t>(16, 8192));
+  Batch overfills(16, std::vector<int64_t>(64, 4096));
+  DecodePlanner planner(cap);
+  planner.pin_shape(CtaShape::kDefault);
+  EXPECT_EQ(planner.plan(fills.bsr(), fills.qo_indptr.data()).shape, CtaShape::kDefault);
+  planner.pin_shape(CtaShape::kOneCtaPerSm);
+  const Plan& plan = planner.plan(overfills.bsr(), overfills.qo_indptr.data());
+  check_plan(plan, overfills, cap);
+  EXPECT_EQ(plan.shape, CtaShape::kOneCtaPerSm);
+  EXPECT_EQ(plan.wave_ctas, 132);
+  EXPECT_LE(plan.num_tasks, planner.max_work_items());
+
+  DecodePlanner without(h200_decode(256));
+  try {
+    without.pin_shape(CtaShape::kOneCtaPerSm);
+    ADD_FAILURE() << "pinning a shape the capacity lacks should be rejected";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("one_cta_per_sm_shape"));
+  }
+}
+
 TEST(DecodePlan, PageSizeSetsTheGranularityAndEmptyRequestsGetOneItem) {
   const PlanCapacity cap = h200_decode(256);
   for (int32_t page : {1, 16, 64, 256}) {

@@ -83,6 +83,7 @@ struct DecodeCase {
   float scale = 0.f;
   int64_t q_pad = 0;        // extra elements per row of q and o (strided rows)
   int pipeline_stages = 0;  // 0: the kernel the GPU gets by default
+  int ctas_per_sm = 0;      // 0: the plan picks the CTA shape; 1 or 2 forces it
 };
 
 std::vector<int> qo_lens(const DecodeCase& c) {
@@ -104,6 +105,7 @@ DecodeConfig config_of(const DecodeCase& c) {
   cfg.scale = c.scale;
   cfg.soft_cap = c.soft_cap;
   cfg.pipeline_stages = c.pipeline_stages;
+  cfg.ctas_per_sm = c.ctas_per_sm;
   return cfg;
 }
 
@@ -130,6 +132,7 @@ std::string describe(const DecodeCase& c) {
   if (c.kv.head_pad || c.kv.k_page_pad || c.kv.v_page_pad) s += " strided pages";
   if (c.q_pad) s += " strided rows";
   if (c.pipeline_stages) s += " " + std::to_string(c.pipeline_stages) + " stages";
+  if (c.ctas_per_sm) s += " " + std::to_string(c.ctas_per_sm) + " CTA(s) per SM";
   return s;
 }
 
@@ -288,6 +291,90 @@ TEST(GpuDecode, StagesFollowSharedMemory) {
       EXPECT_THAT(e.what(), HasSubstr("shared memory"));
     }
   }
+}
+
+// ---- 2c. The one-CTA-per-SM shape (twice the warps and stage bytes; sm_90, hd128 / hd256) ------
+bool one_cta_per_sm_fits(int head_dim, DType dtype) {
+  return decode_compiled(head_dim, dtype) && dispatch::decode_one_cta_per_sm_fits(head_dim);
+}
+
+TEST(GpuDecode, OneCtaPerSmShape) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 180;
+  int tested = 0;
+  for (int head_dim : {128, 256}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      if (!one_cta_per_sm_fits(head_dim, dtype)) continue;
+      ++tested;
+      DecodeCase c;
+      c.kv.dtype = dtype;
+      c.kv.head_dim = head_dim;
+      c.ctas_per_sm = 1;
+      c.num_qo_heads = 8;
+      c.kv.num_kv_heads = 2;
+      for (auto [layout, page_size] : {std::pair{KVLayout::kNHD, 16}, {KVLayout::kHND, 1}, {KVLayout::kNHD, 64}}) {
+        c.kv.layout = layout;
+        c.kv.page_size = page_size;
+        // A request with no KV, one with no query, and a long one that is split and merged.
+        c.kv_len = {1, 54, 0, 97, 700, 33, 16385};
+        c.qo_len = {1, 1, 1, 1, 1, 0, 1};
+        DecodePlanInfo info;
+        run_case(c, seed++, &info);
+        EXPECT_EQ(info.ctas_per_sm, 1);
+        EXPECT_GT(info.num_split_requests, 0) << "the 16385-token request should be split";
+      }
+      // Group 16 x 3 verification tokens (48 rows: three passes), a window and a soft cap.
+      DecodeCase m = c;
+      m.kv.layout = KVLayout::kNHD;
+      m.kv.page_size = 16;
+      m.num_qo_heads = 16;
+      m.kv.num_kv_heads = 1;
+      m.max_qo_len = 8;
+      m.kv_len = {97, 4000, 1, 20000};
+      m.qo_len = {3, 8, 1, 2};
+      m.window_left = 1500;
+      m.soft_cap = 30.f;
+      run_case(m, seed++);
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << "this GPU or build has no one-CTA-per-SM decode shape (sm_90 shared memory, hd128/hd256)";
+  // Where the shape does not exist, forcing it is an error naming the field.
+  DecodeCase small;
+  small.kv.head_dim = 64;
+  small.kv_len = {10};
+  if (decode_compiled(64, small.kv.dtype)) {
+    small.ctas_per_sm = 1;
+    try {
+      (void)BatchDecoder::workspace_bytes(config_of(small));
+      ADD_FAILURE() << "hd64 has no one-CTA-per-SM shape";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("ctas_per_sm"));
+    }
+  }
+}
+
+// The plan picks the shape per step: one CTA per SM, unsplit, when the batch's (request, KV head)
+// pairs about fill the SMs; the default shape when they overfill them.
+TEST(GpuDecode, PlanPicksTheCtaShape) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  if (!one_cta_per_sm_fits(c.kv.head_dim, c.kv.dtype)) {
+    GTEST_SKIP() << "this GPU or build has no one-CTA-per-SM decode shape";
+  }
+  int num_sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  c.num_qo_heads = 32;
+  c.kv.num_kv_heads = 8;
+  c.kv.page_size = 16;
+  c.kv_len.assign(num_sms / 8, 1500);  // num_sms / 8 x 8 heads <= num_sms items
+  DecodePlanInfo info;
+  run_case(c, 190, &info);
+  EXPECT_EQ(info.ctas_per_sm, 1);
+  EXPECT_EQ(info.num_split_requests, 0);
+  c.kv_len.assign(num_sms / 2, 300);  // 4 x num_sms items
+  run_case(c, 191, &info);
+  EXPECT_EQ(info.ctas_per_sm, 2);
 }
 
 // ---- 3. Split-KV (flash-decoding) -------------------------------------------------------------------
@@ -542,13 +629,12 @@ void capture(cudaStream_t stream, const std::function<void()>& launch, CapturedG
   CUDA_OK(cudaGraphInstantiate(&out.exec, out.graph, 0));
 }
 
-// run() captured once replays every later step: new batch sizes, query lengths, KV lengths (split
-// or not) and cache contents in the same buffers, with only plan() called before each replay. The
-// replay must match an eager run() of the same step bit for bit, and the reference.
-TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
-  TESSERA_REQUIRE_GPU();
+// One decoder (config.ctas_per_sm as given) captured on a first step and replayed over the steps.
+void replay_across_steps(int ctas_per_sm) {
+  SCOPED_TRACE("DecodeConfig.ctas_per_sm " + std::to_string(ctas_per_sm));
   DecodeCase shape;
   pick_compiled(shape.kv.head_dim, shape.kv.dtype);
+  shape.ctas_per_sm = ctas_per_sm;
   shape.num_qo_heads = 8;
   shape.kv.num_kv_heads = 2;
   shape.kv.page_size = 16;
@@ -612,6 +698,8 @@ TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
     decoder.run(rows_view(dq, max_rows), cache, captured_table, rows_view(o, max_rows),
                 lse_view(max_rows), stream);
   }, graph));
+  // The graph holds the kernel of the captured plan's CTA shape: every later plan keeps it.
+  const int captured_shape = decoder.last_plan().ctas_per_sm;
 
   for (size_t i = 0; i < steps.size(); ++i) {
     SCOPED_TRACE("step " + std::to_string(i) + ": kv_len " + list_of(steps[i].kv_len) + " qo_len " +
@@ -620,6 +708,7 @@ TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
     const OutputShape out{rows, cfg.num_qo_heads, g.head_dim, width, g.dtype};
     load_and_plan(i);
     const DecodePlanInfo info = decoder.last_plan();
+    EXPECT_EQ(info.ctas_per_sm, captured_shape);
     CUDA_OK(cudaGraphLaunch(graph.exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     const Outputs replayed = fetch(o, lse, out);
@@ -655,6 +744,21 @@ TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
   CUDA_OK(cudaStreamEndCapture(stream, &discarded));
   if (discarded != nullptr) cudaGraphDestroy(discarded);
   EXPECT_TRUE(rejected) << "plan() inside a capture should be rejected";
+}
+
+// run() captured once replays every later step: new batch sizes, query lengths, KV lengths (split
+// or not) and cache contents in the same buffers, with only plan() called before each replay. The
+// replay must match an eager run() of the same step bit for bit, and the reference. Both CTA
+// shapes, and the plan's own choice.
+TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
+  TESSERA_REQUIRE_GPU();
+  int head_dim = 128;
+  DType dtype = DType::kBF16;
+  pick_compiled(head_dim, dtype);
+  for (int ctas_per_sm : {0, 2, 1}) {
+    if (ctas_per_sm == 1 && !one_cta_per_sm_fits(head_dim, dtype)) continue;
+    replay_across_steps(ctas_per_sm);
+  }
 }
 
 // ---- 8. Bad input -----------------------------------------------------------------------------------
@@ -698,6 +802,7 @@ TEST(GpuDecodeBadInput, ConfigIsValidated) {
       {[](DecodeConfig& c) { c.window_left = -2; }, {"'window_left'"}},
       {[](DecodeConfig& c) { c.pipeline_stages = 1; }, {"'pipeline_stages'", "1"}},
       {[](DecodeConfig& c) { c.pipeline_stages = 4; }, {"'pipeline_stages'", "4"}},
+      {[](DecodeConfig& c) { c.ctas_per_sm = 3; }, {"'ctas_per_sm'", "3"}},
   };
   // What a narrowed build left out is a clear error, not a fallback.
   for (int hd : {64, 128, 256}) {

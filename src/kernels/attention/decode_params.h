@@ -62,6 +62,7 @@ struct DecodeKernelInfo {
 struct DecodeLaunch {
   int decode_ctas = 0;
   int stages = 3;  // K/V pipeline stages: 3, or 2 where shared memory is short (dispatch picks)
+  bool one_cta_per_sm = false;  // the CTA shape the plan was balanced for (3 stages only)
   bool programmatic = false;  // programmatic dependent launch (sm_90+)
 };
 

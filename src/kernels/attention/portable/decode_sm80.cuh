@@ -3,7 +3,8 @@
 // One CTA takes one work item: one request's query rows for one KV head over a KV token range
 // [kv_begin, kv_end). The rows are the request's qo_len x group query heads of that KV head, packed
 // into one m16 tile (r = query_token * group + head_in_group), so every K/V byte is read once per
-// group. K and V stream through a ring of kStages shared-memory stages (cp.async, 32 KB per stage)
+// group. K and V stream through a ring of kStages shared-memory stages (cp.async, 32 KB per stage
+// with two CTAs per SM, 64 KB with one: DecodeTileConfig)
 // gathered from pages: each 16-byte chunk finds its page through the page table, whose ids for the
 // next stage are loaded into registers one stage ahead so their latency stays off the copy issue.
 // Each warp owns 16 keys of every stage (S = Q K^T, online softmax and O += P V with mma.sync on its
@@ -31,16 +32,24 @@ namespace tessera::kernels::sm80 {
 
 // kStagesT: 3 wherever the shared memory allows (every sm_80/sm_90 part), 2 on GPUs with 99 KB
 // per block (sm_86, sm_89), where three stages at hd128/hd256 (103/107 KB) cannot launch.
-template <int kHeadDim, int kStagesT = 3>
+// kCtasPerSmT: the CTA shape. 2: two CTAs share an SM, each with 32 KB stages (the default). 1: one
+// CTA per SM with twice the warps and 64 KB stages, the same registers and shared memory per SM
+// (sm_90's 227 KB; hd128 and hd256): the planner's shape for a batch whose unsplit (request, KV
+// head) items about fill the SMs, which it then runs without a split (no partials, no merge).
+// Measured on the H200 (notes/decode.md, v12): b16 x 8K 4.18 vs 4.10 TB/s, b12 3.99 vs 3.90,
+// hd256 b1 x 32K 3.51 vs 3.12; worse with an overfilled list (b64 x 4K 4.22 vs 4.34).
+template <int kHeadDim, int kStagesT = 3, int kCtasPerSmT = 2>
 struct DecodeTileConfig {
-  static constexpr int kBlockN = 8192 / kHeadDim;  // keys per stage: K + V tiles are 32 KB
+  static_assert(kCtasPerSmT == 1 || kCtasPerSmT == 2, "one or two CTAs per SM");
+  static constexpr int kCtasPerSm = kCtasPerSmT;
+  static constexpr int kBlockN = 16384 / (kHeadDim * kCtasPerSm);  // keys per stage: K + V are 64 KB per SM
   static constexpr int kWarps = kBlockN / 16;      // each warp owns 16 keys of every stage
   static constexpr int kThreads = kWarps * 32;
   // Measured on H200 (hd128, NHD page 16, see notes/decode.md): 3 stages x 2 CTAs per SM beat
   // 2 stages x 3 CTAs (b64 x 4K: 4.32 vs 3.86 TB/s, a wave-quantisation tail) and 4 or 6 stages
   // x 1 CTA (2.5 and 2.3 TB/s: one CTA per SM cannot issue the copies fast enough).
   static constexpr int kStages = kStagesT;
-  static constexpr int kMinBlocksPerSM = 2;
+  static constexpr int kMinBlocksPerSM = kCtasPerSm;
   static constexpr int kRows = 16;                 // query rows per pass: one m16 tile
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks of one K/V/Q row
   // A thread copies one chunk column of kRowsPerThread rows, kRowStep apart, of each stage.
@@ -244,11 +253,11 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
 #endif
 }
 
-template <typename T, int kHeadDim, typename Logits, int kStagesT>
-__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads,
-                                  DecodeTileConfig<kHeadDim, kStagesT>::kMinBlocksPerSM)
+template <typename T, int kHeadDim, typename Logits, int kStagesT, int kCtasPerSmT>
+__global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerSmT>::kThreads,
+                                  DecodeTileConfig<kHeadDim, kStagesT, kCtasPerSmT>::kMinBlocksPerSM)
     decode_sm80_kernel(const DecodeParams p) {
-  using Cfg = DecodeTileConfig<kHeadDim, kStagesT>;
+  using Cfg = DecodeTileConfig<kHeadDim, kStagesT, kCtasPerSmT>;
   constexpr int kBlockN = Cfg::kBlockN, kThreads = Cfg::kThreads, kStages = Cfg::kStages;
   constexpr int kRows = Cfg::kRows, kChunksPerRow = Cfg::kChunksPerRow;
   constexpr int kDTiles = kHeadDim / 8;   // O accumulator tiles of 8 dims
@@ -585,10 +594,10 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT>::kThreads
   }
 }
 
-template <typename T, int kHeadDim, typename Logits, int kStages>
+template <typename T, int kHeadDim, typename Logits, int kStages, int kCtasPerSm>
 auto decode_kernel_ready() {
-  using Cfg = DecodeTileConfig<kHeadDim, kStages>;
-  auto kernel = decode_sm80_kernel<T, kHeadDim, Logits, kStages>;
+  using Cfg = DecodeTileConfig<kHeadDim, kStages, kCtasPerSm>;
+  auto kernel = decode_sm80_kernel<T, kHeadDim, Logits, kStages, kCtasPerSm>;
   static detail::OncePerDevice smem_limit_raised;
   smem_limit_raised([&] {
     TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -617,39 +626,57 @@ void launch_decode_kernel(Kernel kernel, int threads, int smem_bytes, const Deco
   TESSERA_CUDA_CHECK(status);
 }
 
-template <typename T, int kHeadDim, int kStages>
-void launch_decode_stages(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
-  using Cfg = DecodeTileConfig<kHeadDim, kStages>;
+template <typename T, int kHeadDim, int kStages, int kCtasPerSm>
+void launch_decode_shape(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
+  using Cfg = DecodeTileConfig<kHeadDim, kStages, kCtasPerSm>;
   if (p.soft_cap > 0.f) {
-    launch_decode_kernel(decode_kernel_ready<T, kHeadDim, SoftCappedLogits, kStages>(), Cfg::kThreads,
-                         Cfg::kSmemBytes, p, launch, stream);
+    launch_decode_kernel(decode_kernel_ready<T, kHeadDim, SoftCappedLogits, kStages, kCtasPerSm>(),
+                         Cfg::kThreads, Cfg::kSmemBytes, p, launch, stream);
   } else {
-    launch_decode_kernel(decode_kernel_ready<T, kHeadDim, PlainLogits, kStages>(), Cfg::kThreads,
-                         Cfg::kSmemBytes, p, launch, stream);
+    launch_decode_kernel(decode_kernel_ready<T, kHeadDim, PlainLogits, kStages, kCtasPerSm>(),
+                         Cfg::kThreads, Cfg::kSmemBytes, p, launch, stream);
   }
 }
+
+// The one-CTA-per-SM shape is compiled at hd128 and hd256 with 3 stages. At hd64 it would take 16
+// warps of at most 128 registers, and ptxas spills there.
+template <int kHeadDim>
+constexpr bool kHasOneCtaPerSmShape = kHeadDim >= 128;
 
 template <typename T, int kHeadDim>
 void launch_decode(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
   if (launch.decode_ctas == 0) return;
-  if (launch.stages == 2) launch_decode_stages<T, kHeadDim, 2>(p, launch, stream);
-  else launch_decode_stages<T, kHeadDim, 3>(p, launch, stream);
+  if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
+    if (launch.one_cta_per_sm) {
+      launch_decode_shape<T, kHeadDim, 3, 1>(p, launch, stream);
+      return;
+    }
+  }
+  if (launch.stages == 2) launch_decode_shape<T, kHeadDim, 2, 2>(p, launch, stream);
+  else launch_decode_shape<T, kHeadDim, 3, 2>(p, launch, stream);
 }
 
-// Shared memory per CTA of the `stages` configuration (2 or 3).
+// Shared memory per CTA of a compiled shape (stages 2 or 3; 1 or 2 CTAs per SM); 0 for a shape
+// that is not compiled.
 template <int kHeadDim>
-int decode_smem_bytes(int stages) {
+int decode_smem_bytes(int stages, int ctas_per_sm) {
+  if (ctas_per_sm == 1) {
+    if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
+      return stages == 3 ? DecodeTileConfig<kHeadDim, 3, 1>::kSmemBytes : 0;
+    }
+    return 0;
+  }
   return stages == 2 ? DecodeTileConfig<kHeadDim, 2>::kSmemBytes
                      : DecodeTileConfig<kHeadDim, 3>::kSmemBytes;
 }
 
-// The decode kernel on the current GPU: resident CTAs per SM (what the planner balances a wave
+// A decode kernel shape on the current GPU: resident CTAs per SM (what the planner balances a wave
 // for), and whether the code the GPU runs was compiled for sm_90 or newer, so that it waits for
 // the preceding grid (a GPU that runs it from the compute_80 PTX must get plain launches).
-template <typename T, int kHeadDim, int kStages>
+template <typename T, int kHeadDim, int kStages, int kCtasPerSm>
 DecodeKernelInfo decode_kernel_info_of() {
-  using Cfg = DecodeTileConfig<kHeadDim, kStages>;
-  const auto kernel = decode_kernel_ready<T, kHeadDim, PlainLogits, kStages>();
+  using Cfg = DecodeTileConfig<kHeadDim, kStages, kCtasPerSm>;
+  const auto kernel = decode_kernel_ready<T, kHeadDim, PlainLogits, kStages, kCtasPerSm>();
   DecodeKernelInfo info;
   TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&info.ctas_per_sm, kernel, Cfg::kThreads,
                                                                    Cfg::kSmemBytes));
@@ -659,9 +686,14 @@ DecodeKernelInfo decode_kernel_info_of() {
   return info;
 }
 
+// The shape (stages, ctas_per_sm) must be compiled and fit the GPU's shared memory
+// (decode_smem_bytes); the occupancy it reports may still be lower than ctas_per_sm.
 template <typename T, int kHeadDim>
-DecodeKernelInfo decode_kernel_info(int stages) {
-  return stages == 2 ? decode_kernel_info_of<T, kHeadDim, 2>() : decode_kernel_info_of<T, kHeadDim, 3>();
+DecodeKernelInfo decode_kernel_info(int stages, int ctas_per_sm) {
+  if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
+    if (ctas_per_sm == 1) return decode_kernel_info_of<T, kHeadDim, 3, 1>();
+  }
+  return stages == 2 ? decode_kernel_info_of<T, kHeadDim, 2, 2>() : decode_kernel_info_of<T, kHeadDim, 3, 2>();
 }
 
 }  // namespace tessera::kernels::sm80
