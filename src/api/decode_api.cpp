@@ -100,6 +100,10 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.num_sms = g.num_sms;
   cap.ctas_per_sm = g.ctas_per_sm;
   cap.one_cta_per_sm_shape = g.one_cta_per_sm;
+  // At hd256 the default CTA has 2 warps (32 keys per stage) and its merges of many chunks are
+  // slow: the one-CTA-per-SM shape was 2-13% faster for split lists there (b4 x 16K, b1 x 32K),
+  // 0.5-2% slower at hd128 (notes/decode.md, v12).
+  cap.one_cta_per_sm_for_splits = c.head_dim >= 256;
   cap.window_left = effective_window(c.window_left);
   return cap;
 }

@@ -176,10 +176,12 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   }
 
   // The chunk length for the default shape's wave and, where the one-CTA-per-SM shape exists,
-  // for its wave of num_sms CTAs; that shape is taken when its list fits its wave and its longest
-  // task is at most 2 x the default's (with a 1/16 margin: it saves chunks and merges; measured
-  // in notes/decode.md, v12). A CTA of that shape streams as fast as the two of the default shape
-  // that the SM would otherwise hold.
+  // for its wave of num_sms CTAs. That shape is taken when its list fits its wave, its longest
+  // task is at most 2 x the default's (a CTA of it streams as fast as the two default CTAs an SM
+  // would otherwise hold; 1/16 margin) and it splits nothing, or the capacity says it pays for
+  // split lists too. Measured on the H200 (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16
+  // x 8K: no partials, no merge); at hd128 a split list runs 0.5-2% slower in it (b1-b8), at hd256
+  // 2-13% faster (b4, b1 x 32K).
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
   const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
   int64_t chunk = chunk_for_wave(wave, gran, longest);
@@ -191,7 +193,8 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int64_t longest_task = std::min(chunk, longest);
     const int64_t wide_longest_task = std::min(wide_chunk, longest);
     const bool fits = items_for_chunk(wide_chunk) <= wide_wave;
-    if (shape_pinned_ || (fits && wide_longest_task * 16 <= longest_task * 2 * 17)) {
+    const bool pays = wide_chunk >= longest || cap_.one_cta_per_sm_for_splits;
+    if (shape_pinned_ || (fits && pays && wide_longest_task * 16 <= longest_task * 2 * 17)) {
       chunk = wide_chunk;
       plan_.shape = CtaShape::kOneCtaPerSm;
       plan_.wave_ctas = wide_wave;

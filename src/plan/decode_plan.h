@@ -17,11 +17,13 @@
 //
 // CTA shape: the decode kernel has a default shape (ctas_per_sm CTAs per SM) and, where the GPU
 // holds it, a one-CTA-per-SM shape with twice the warps and stage bytes (one_cta_per_sm_shape).
-// The planner balances the list for both and takes the one-per-SM plan when its longest task is at
-// most 2 x the default plan's (each CTA of the wide shape streams twice as fast) with a 1/16
-// margin: it then runs with fewer chunks, and a batch whose (request, KV head) items about fill
-// the SMs runs unsplit (no partials, no merge). A plan's shape can be pinned (CUDA-graph capture
-// fixed the kernel).
+// The planner balances the list for both and takes the one-per-SM plan when it fits one wave of
+// num_sms CTAs, its longest task is at most 2 x the default plan's (a CTA of that shape streams as
+// fast as the default shape's two) with a 1/16 margin, and it leaves every item unsplit -- a batch
+// whose (request, KV head) items about fill the SMs then runs without partials or merges -- or the
+// capacity says the shape pays for split lists as well (one_cta_per_sm_for_splits: hd256, whose
+// default CTA has only 2 warps). A plan's shape can be pinned (CUDA-graph capture fixed the
+// kernel).
 //
 // Requests with no query token this step get no work. Deterministic, allocation-free after
 // construction (every buffer is sized from PlanCapacity, so
@@ -46,6 +48,7 @@ struct PlanCapacity {
   int32_t num_sms = 0;      // of the GPU the plan runs on
   int32_t ctas_per_sm = 1;  // resident CTAs of the decode kernel per SM (its default shape)
   bool one_cta_per_sm_shape = false;  // the kernel also has the one-CTA-per-SM shape here
+  bool one_cta_per_sm_for_splits = false;  // ... and it pays for split lists too (see the planner)
   int32_t window_left = -1; // >= 0: sliding window; only keys the window can see are planned
 };
 

@@ -254,9 +254,9 @@ TEST(DecodePlan, OneCtaPerSmOnlyWhereItsLongestTaskIsNoWorse) {
   std::vector<int64_t> skewed(16, 2048);
   skewed[3] = 32768;
   const std::vector<Expect> cases = {
-      // One request: 16 chunks of 2048 on 132 SMs vs 33 of 1008 on 264 slots (2048 <= 2 x 1008
-      // within the 1/16 margin): fewer chunks to merge.
-      {{32768}, CtaShape::kOneCtaPerSm, 2048},
+      // One request: 16 chunks of 2048 on 132 SMs would do (2048 <= 2 x 1008 within the 1/16
+      // margin), but a split list keeps the default shape unless the capacity says otherwise.
+      {{32768}, CtaShape::kDefault, 1008},
       // 9 x 8192 = 72 items: unsplit on 72 SMs (8192) loses to 3 chunks each on 216 slots (2 x 2736).
       {std::vector<int64_t>(9, 8192), CtaShape::kDefault, 2736},
       // 17 x 8192 = 136 items overfill the 132 SMs.
@@ -280,6 +280,22 @@ TEST(DecodePlan, OneCtaPerSmOnlyWhereItsLongestTaskIsNoWorse) {
     EXPECT_LE(plan.num_tasks, planner.max_work_items());
     EXPECT_LE(plan.num_slots(), planner.max_slots());
   }
+}
+
+TEST(DecodePlan, OneCtaPerSmForSplitListsWhereTheCapacitySaysItPays) {
+  PlanCapacity cap = h200_decode_two_shapes(256);
+  cap.head_dim = 256;
+  cap.one_cta_per_sm_for_splits = true;
+  DecodePlanner planner(cap);
+  Batch one(16, {32768});
+  const Plan& plan = planner.plan(one.bsr(), one.qo_indptr.data());
+  check_plan(plan, one, cap);
+  EXPECT_EQ(plan.shape, CtaShape::kOneCtaPerSm);
+  EXPECT_EQ(plan.chunk_tokens, 2048);  // 8 heads x 16 chunks = 128 <= 132 CTAs
+  EXPECT_EQ(plan.num_tasks, 128);
+  // Still not where its longest task would be worse: 9 x 8192 stays on the default shape.
+  Batch nine(16, std::vector<int64_t>(9, 8192));
+  EXPECT_EQ(planner.plan(nine.bsr(), nine.qo_indptr.data()).shape, CtaShape::kDefault);
 }
 
 TEST(DecodePlan, PinnedShapeHoldsForEveryLaterPlan) {
