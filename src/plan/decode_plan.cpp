@@ -151,6 +151,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   has_query_.clear();
   plan_.requests.clear();
   int64_t longest = 0;
+  int64_t with_query = 0;
   for (int32_t r = 0; r < batch; ++r) {
     const int32_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
     if (qo_len < 0 || qo_len > cap_.max_qo_len) {
@@ -171,6 +172,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     first_key_.push_back(static_cast<int32_t>(first_key));
     kv_len_.push_back(qo_len == 0 ? 0 : tokens - first_key);
     has_query_.push_back(qo_len > 0);
+    with_query += qo_len > 0;
     plan_.requests.push_back({qo_indptr[r], qo_len, static_cast<int32_t>(tokens), kv.indptr[r]});
     longest = std::max(longest, kv_len_.back());
   }
@@ -187,8 +189,9 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   int64_t chunk = chunk_for_wave(wave, gran, longest);
   plan_.shape = CtaShape::kDefault;
   plan_.wave_ctas = wave;
-  if (cap_.one_cta_per_sm_shape && !(shape_pinned_ && pinned_shape_ == CtaShape::kDefault)) {
-    const int32_t wide_wave = cap_.num_sms * policy_.waves;
+  const int32_t wide_wave = cap_.num_sms * policy_.waves;
+  const bool may_fit = with_query * cap_.num_kv_heads <= wide_wave;  // unsplit items, at least
+  if (cap_.one_cta_per_sm_shape && (shape_pinned_ ? pinned_shape_ == CtaShape::kOneCtaPerSm : may_fit)) {
     const int64_t wide_chunk = chunk_for_wave(wide_wave, gran, longest);
     const int64_t longest_task = std::min(chunk, longest);
     const int64_t wide_longest_task = std::min(wide_chunk, longest);
