@@ -58,12 +58,14 @@ struct DecodeConfig {
   // block allows it (A100, H100/H200), else 2 (sm_86/sm_89: 99 KB). 2 or 3 forces that count
   // (tests, ablation); a count this GPU cannot hold is an error.
   int pipeline_stages = 0;
-  // CTA shape of the decode kernel. 0 (default): plan() picks per step between two CTAs per SM
-  // and, where the GPU holds it (sm_90's shared memory; head_dim 128 and 256; 3 stages), one CTA
-  // per SM with twice the warps, which runs a batch whose (request, KV head) pairs about fill the
-  // SMs without splitting them. 1 or 2 forces that shape (tests, ablation; 2 is the default shape,
-  // which fits once per SM on an A100); 1 where it does not exist is an error. A captured run()
-  // fixes the shape for the plans that follow it.
+  // CTA shape of the decode kernel. 0 (default): plan() picks per step between the default shape
+  // (two CTAs per SM) and, where the GPU holds it (sm_90's shared memory; head_dim 128 and 256; 3
+  // stages), one CTA per SM with twice the warps: mostly for a batch whose (request, KV head)
+  // pairs about fill the SMs, which then runs unsplit (and for split lists at head_dim 256).
+  // 1 or 2 forces a shape (tests, ablation; 2 is the default shape, which fits once per SM on an
+  // A100); 1 where it does not exist is an error. A captured run() fixes the shape for the plans
+  // that follow it: with 0, the one-CTA-per-SM shape only when max_batch_size x num_kv_heads <=
+  // the SM count (no step can overfill it), else the default shape.
   int ctas_per_sm = 0;
   // Programmatic dependent launch (where the GPU runs the kernel's sm_90+ code; plain launches
   // otherwise): run()'s kernel may start launching
@@ -81,7 +83,8 @@ struct DecodePlanInfo {
   int num_split_requests = 0;  // (request, KV head) pairs split into chunks
   int chunk_tokens = 0;     // chunk length of split requests; 0 when nothing was split
   int grid_ctas = 0;        // CTAs the decode kernel launches
-  int ctas_per_sm = 0;      // the CTA shape the plan was balanced for: 2 (default) or 1 (wider CTAs)
+  int ctas_per_sm = 0;      // the CTA shape the plan was balanced for: 2 the default shape, 1 the
+                            // one-CTA-per-SM shape (a shape id: the default fits once per SM on an A100)
 };
 
 class BatchDecoder {

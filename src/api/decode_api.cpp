@@ -50,7 +50,7 @@ void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
 struct GpuShape {
   int num_sms = 0;
   int stages = 3;  // the decode kernel's K/V pipeline stages on this GPU
-  int ctas_per_sm = 0;         // of the default (two-per-SM) shape
+  int ctas_per_sm = 0;         // resident CTAs of the default shape (2 on sm_90, 1 on an A100)
   bool one_cta_per_sm = false;  // the one-CTA-per-SM shape is compiled, fits and may be planned
   bool programmatic_launch = false;  // asked for, and the kernel's code waits (sm_90+ code)
 };
@@ -73,12 +73,20 @@ GpuShape current_gpu_shape(const DecodeConfig& c) {
     g.one_cta_per_sm = dispatch::decode_kernel_info(c.dtype, c.head_dim, 3, 1).ctas_per_sm >= 1;
   }
   if (c.ctas_per_sm == 1 && !g.one_cta_per_sm) {
-    throw Error("tessera::BatchDecoder: DecodeConfig.ctas_per_sm = 1 needs the one-CTA-per-SM decode "
-                "shape, which exists at head_dim 128 and 256 with 3 pipeline stages on GPUs with at "
-                "least " + std::to_string(dispatch::decode_one_cta_per_sm_bytes(c.head_dim)) +
-                " bytes of shared memory per block; head_dim " + std::to_string(c.head_dim) +
-                ", " + std::to_string(g.stages) + " stages, this GPU allows " +
-                std::to_string(dispatch::shared_memory_per_block()));
+    const int bytes = dispatch::decode_one_cta_per_sm_bytes(c.head_dim);
+    std::string why;
+    if (bytes == 0) {
+      why = "it is not compiled for head_dim " + std::to_string(c.head_dim) +
+            " (head_dim 128 and 256, TESSERA_DECODE_ONE_CTA_PER_SM)";
+    } else if (g.stages != 3) {
+      why = "it needs 3 pipeline stages; this decoder has " + std::to_string(g.stages);
+    } else {
+      why = "it needs " + std::to_string(bytes) + " bytes of shared memory per block and an SM that "
+            "holds two default CTAs; this GPU allows " + std::to_string(dispatch::shared_memory_per_block()) +
+            " bytes and holds " + std::to_string(g.ctas_per_sm);
+    }
+    throw Error("tessera::BatchDecoder: DecodeConfig.ctas_per_sm = 1 asks for the one-CTA-per-SM "
+                "decode shape, which this decoder cannot use: " + why);
   }
   return g;
 }
@@ -127,6 +135,8 @@ struct BatchDecoder::Impl {
   void* staging = nullptr;         // pinned host image of the plan
   cudaEvent_t copied = nullptr;    // the staging buffer's last copy has completed
   bool planned = false;
+  // The capacity's largest batch fits one wave of the one-CTA-per-SM shape unsplit.
+  bool capacity_fits_one_cta_per_sm = false;
   plan::CtaShape plan_shape = plan::CtaShape::kDefault;  // the kernel shape of the last plan
   int device = 0;
   // What run() checks its arguments against.
@@ -144,6 +154,8 @@ struct BatchDecoder::Impl {
     if (c.ctas_per_sm != 0) {
       planner.pin_shape(c.ctas_per_sm == 1 ? plan::CtaShape::kOneCtaPerSm : plan::CtaShape::kDefault);
     }
+    capacity_fits_one_cta_per_sm =
+        g.one_cta_per_sm && int64_t(c.max_batch_size) * c.num_kv_heads <= g.num_sms;
   }
   ~Impl() {
     if (copied) cudaEventDestroy(copied);
@@ -363,11 +375,19 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   launch.decode_ctas = capture != cudaStreamCaptureStatusNone ? im.planner.max_work_items()
                                                                : im.info.num_work_items;
   launch.stages = im.gpu.stages;
-  launch.one_cta_per_sm = im.plan_shape == plan::CtaShape::kOneCtaPerSm;
+  plan::CtaShape shape = im.plan_shape;
+  if (capture != cudaStreamCaptureStatusNone) {
+    // The graph holds one shape's kernel, and later plans are balanced for it. Left to the
+    // planner (ctas_per_sm 0), the one-CTA-per-SM shape is kept only where no step of the capacity
+    // can overfill it; a capacity with larger batches captures the default shape, which loses
+    // little where the other would have won (2-3%) and nothing where it would have lost (up to 22%
+    // at b17 x 8K). This step's plan runs correctly on either kernel (the grid covers every task).
+    if (c.ctas_per_sm == 0 && !im.capacity_fits_one_cta_per_sm) shape = plan::CtaShape::kDefault;
+    impl_->planner.pin_shape(shape);
+  }
+  launch.one_cta_per_sm = shape == plan::CtaShape::kOneCtaPerSm;
   launch.programmatic = im.gpu.programmatic_launch;
   if (capture != cudaStreamCaptureStatusNone) {
-    // The graph holds this shape's kernel: later plans are balanced for it.
-    impl_->planner.pin_shape(im.plan_shape);
     Impl::CapturedBounds& g = impl_->graph;
     g.captured = true;
     g.q_rows = std::min(g.q_rows, q.size(0));

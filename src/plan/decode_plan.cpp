@@ -15,6 +15,10 @@ namespace {
   throw Error(std::string("tessera::DecodePlanner: argument '") + arg + "': " + rule);
 }
 
+// The one-CTA-per-SM plan may have a longest task up to 1/16 longer than ctas_per_sm x the default
+// plan's and still be taken: it writes fewer partials and merges (b16 x 8K unsplit: +2%).
+constexpr double kOneCtaPerSmMargin = 17.0 / 16.0;
+
 }  // namespace
 
 DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy)
@@ -32,6 +36,10 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   }
   if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1 || policy_.waves < 1) {
     fail("policy", "waves, min_chunk_tokens and granularity must be >= 1");
+  }
+  if (cap_.one_cta_per_sm_shape && cap_.ctas_per_sm < 2) {
+    fail("one_cta_per_sm_shape", "needs a default shape of at least 2 CTAs per SM (ctas_per_sm " +
+                                     std::to_string(cap_.ctas_per_sm) + ")");
   }
   group_ = cap_.num_qo_heads / cap_.num_kv_heads;
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
@@ -179,9 +187,9 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
 
   // The chunk length for the default shape's wave and, where the one-CTA-per-SM shape exists,
   // for its wave of num_sms CTAs. That shape is taken when its list fits its wave, its longest
-  // task is at most 2 x the default's (a CTA of it streams as fast as the two default CTAs an SM
-  // would otherwise hold; 1/16 margin) and it splits nothing, or the capacity says it pays for
-  // split lists too. Measured on the H200 (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16
+  // task is at most ctas_per_sm x the default's (a CTA of it streams as fast as the default CTAs
+  // an SM would otherwise hold; within kOneCtaPerSmMargin, since it saves chunks and merges) and
+  // it splits nothing, or the capacity says it pays for split lists too. Measured on the H200 (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16
   // x 8K: no partials, no merge); at hd128 a split list runs 0.5-2% slower in it (b1-b8), at hd256
   // 2-13% faster (b4, b1 x 32K).
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
@@ -197,7 +205,9 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int64_t wide_longest_task = std::min(wide_chunk, longest);
     const bool fits = items_for_chunk(wide_chunk) <= wide_wave;
     const bool pays = wide_chunk >= longest || cap_.one_cta_per_sm_for_splits;
-    if (shape_pinned_ || (fits && pays && wide_longest_task * 16 <= longest_task * 2 * 17)) {
+    const bool balanced = double(wide_longest_task) <=
+                          double(longest_task) * cap_.ctas_per_sm * kOneCtaPerSmMargin;
+    if (shape_pinned_ || (fits && pays && balanced)) {
       chunk = wide_chunk;
       plan_.shape = CtaShape::kOneCtaPerSm;
       plan_.wave_ctas = wide_wave;

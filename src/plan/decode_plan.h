@@ -18,8 +18,9 @@
 // CTA shape: the decode kernel has a default shape (ctas_per_sm CTAs per SM) and, where the GPU
 // holds it, a one-CTA-per-SM shape with twice the warps and stage bytes (one_cta_per_sm_shape).
 // The planner balances the list for both and takes the one-per-SM plan when it fits one wave of
-// num_sms CTAs, its longest task is at most 2 x the default plan's (a CTA of that shape streams as
-// fast as the default shape's two) with a 1/16 margin, and it leaves every item unsplit -- a batch
+// num_sms CTAs, its longest task is at most ctas_per_sm x the default plan's (a CTA of that shape
+// streams as fast as the default shape's CTAs of one SM) with a 1/16 margin, and it leaves every
+// item unsplit -- a batch
 // whose (request, KV head) items about fill the SMs then runs without partials or merges -- or the
 // capacity says the shape pays for split lists as well (one_cta_per_sm_for_splits: hd256, whose
 // default CTA has only 2 warps). A plan's shape can be pinned (CUDA-graph capture fixed the
@@ -138,7 +139,8 @@ struct Plan {
   std::vector<RequestInfo> requests;      // [batch] (each work item carries its own copy)
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
   int32_t chunk_tokens = 0;               // chosen chunk length; 0 when nothing is split
-  int32_t wave_ctas = 0;                  // num_sms x ctas_per_sm the plan was balanced for
+  int32_t wave_ctas = 0;                  // CTAs of the wave it was balanced for: num_sms x
+                                          // ctas_per_sm x waves, or num_sms x waves (one per SM)
   CtaShape shape = CtaShape::kDefault;    // the kernel shape it was balanced for
 
   int32_t num_slots() const { return static_cast<int32_t>(slot_row_offset.size()) - 1; }

@@ -298,6 +298,37 @@ TEST(DecodePlan, OneCtaPerSmForSplitListsWhereTheCapacitySaysItPays) {
   EXPECT_EQ(planner.plan(nine.bsr(), nine.qo_indptr.data()).shape, CtaShape::kDefault);
 }
 
+TEST(DecodePlan, RequestsWithoutQueriesDoNotCountAgainstTheOneCtaPerSmWave) {
+  // 20 requests x 8 heads = 160 items would overfill 132 SMs, but 5 have no query this step: the
+  // 15 others (120 items) run unsplit with one CTA per SM.
+  const PlanCapacity cap = h200_decode_two_shapes(256);
+  Batch b(16, std::vector<int64_t>(20, 4096));
+  for (int32_t r = 0, q = 0; r < 20; ++r) {
+    q += r % 4 == 1 ? 0 : 1;
+    b.qo_indptr[r + 1] = q;
+  }
+  DecodePlanner planner(cap);
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  EXPECT_EQ(plan.shape, CtaShape::kOneCtaPerSm);
+  EXPECT_EQ(plan.chunk_tokens, 0);
+  EXPECT_EQ(plan.num_tasks, 120);
+  for (const Task& t : plan.tasks()) {
+    EXPECT_NE(t.request % 4, 1) << "request " << t.request << " has no query but got work";
+    EXPECT_EQ(t.kv_end - t.kv_begin, 4096);
+  }
+}
+
+TEST(DecodePlan, OneCtaPerSmShapeNeedsTwoDefaultCtasPerSm) {
+  PlanCapacity cap = h200_decode_two_shapes(256);
+  cap.ctas_per_sm = 1;
+  try {
+    DecodePlanner planner(cap);
+    ADD_FAILURE() << "a default shape of one CTA per SM leaves nothing for the other shape to win";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("one_cta_per_sm_shape"));
+  }
+}
+
 TEST(DecodePlan, PinnedShapeHoldsForEveryLaterPlan) {
   const PlanCapacity cap = h200_decode_two_shapes(256);
   Batch fills(16, std::vector<int64_t>(16, 8192));
@@ -311,6 +342,17 @@ TEST(DecodePlan, PinnedShapeHoldsForEveryLaterPlan) {
   EXPECT_EQ(plan.shape, CtaShape::kOneCtaPerSm);
   EXPECT_EQ(plan.wave_ctas, 132);
   EXPECT_LE(plan.num_tasks, planner.max_work_items());
+  // Overfilled and skewed: the long request is split to the average load of the smaller wave.
+  std::vector<int64_t> skewed(200, 1024);
+  skewed[11] = 131072;
+  Batch skew(16, skewed);
+  const Plan& split = planner.plan(skew.bsr(), skew.qo_indptr.data());
+  check_plan(split, skew, cap);
+  EXPECT_EQ(split.shape, CtaShape::kOneCtaPerSm);
+  EXPECT_GT(split.chunk_tokens, 0);
+  EXPECT_LE(split.num_tasks, planner.max_work_items());
+  EXPECT_LE(split.num_slots(), planner.max_slots());
+  EXPECT_LE(split.partial_rows(), planner.max_partial_rows());
 
   DecodePlanner without(h200_decode(256));
   try {

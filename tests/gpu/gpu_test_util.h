@@ -6,11 +6,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -197,5 +199,15 @@ class SharedMemoryLimit {
   SharedMemoryLimit(const SharedMemoryLimit&) = delete;
   SharedMemoryLimit& operator=(const SharedMemoryLimit&) = delete;
 };
+
+// Runs `call`, expects a tessera::Error whose message contains every fragment.
+inline void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected tessera::Error containing '" << fragments[0] << "'";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_THAT(e.what(), ::testing::HasSubstr(f));
+  }
+}
 
 }  // namespace tessera::testing

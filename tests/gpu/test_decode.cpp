@@ -344,17 +344,13 @@ TEST(GpuDecode, OneCtaPerSmShape) {
   small.kv_len = {10};
   if (decode_compiled(64, small.kv.dtype)) {
     small.ctas_per_sm = 1;
-    try {
-      (void)BatchDecoder::workspace_bytes(config_of(small));
-      ADD_FAILURE() << "hd64 has no one-CTA-per-SM shape";
-    } catch (const Error& e) {
-      EXPECT_THAT(e.what(), HasSubstr("ctas_per_sm"));
-    }
+    expect_error([&] { (void)BatchDecoder::workspace_bytes(config_of(small)); }, {"ctas_per_sm", "head_dim 64"});
   }
 }
 
 // The plan picks the shape per step: one CTA per SM, unsplit, when the batch's (request, KV head)
-// pairs about fill the SMs; the default shape when they overfill them.
+// pairs about fill the SMs; the default shape when they overfill them, or when the GPU's shared
+// memory cannot hold the other.
 TEST(GpuDecode, PlanPicksTheCtaShape) {
   TESSERA_REQUIRE_GPU();
   DecodeCase c;
@@ -375,6 +371,15 @@ TEST(GpuDecode, PlanPicksTheCtaShape) {
   c.kv_len.assign(num_sms / 2, 300);  // 4 x num_sms items
   run_case(c, 191, &info);
   EXPECT_EQ(info.ctas_per_sm, 2);
+
+  // Where the shared memory per block cannot hold that shape (an A100's 163 KB, imposed here),
+  // the first batch gets the default one, and forcing the shape is an error naming the field.
+  const SharedMemoryLimit limit(163 * 1024);
+  c.kv_len.assign(num_sms / 8, 1500);
+  run_case(c, 192, &info);
+  EXPECT_EQ(info.ctas_per_sm, 2);
+  c.ctas_per_sm = 1;
+  expect_error([&] { (void)BatchDecoder::workspace_bytes(config_of(c)); }, {"ctas_per_sm", "shared memory"});
 }
 
 // ---- 3. Split-KV (flash-decoding) -------------------------------------------------------------------
@@ -569,16 +574,9 @@ TEST(GpuDecode, RepeatedRunsAreBitwiseIdentical) {
 // still runs; it must wait for that kernel before reading anything. Two steps chained on one
 // stream with no synchronisation between them, the first step's O being the second step's Q:
 // the second must see the first's output, bit for bit as with plain launches.
-TEST(GpuDecode, ProgrammaticLaunchWaitsForThePreviousKernel) {
-  TESSERA_REQUIRE_GPU();
-  int device = 0, major = 0;
-  CUDA_OK(cudaGetDevice(&device));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major < 9) GTEST_SKIP() << "programmatic launch needs sm_90 or newer; this GPU gets plain launches";
-  DecodeCase c;
-  pick_compiled(c.kv.head_dim, c.kv.dtype);
-  c.kv_len = {16385, 54, 700};  // a long first step: the second launches well before it ends
-  DecodeProblem p(c, 601);
+void check_chained_steps(const DecodeCase& c, uint32_t seed) {
+  SCOPED_TRACE(describe(c));
+  DecodeProblem p(c, seed);
   auto chain = [&](bool programmatic) -> Outputs {
     DecodeConfig cfg = p.cfg;
     cfg.programmatic_launch = programmatic;
@@ -599,6 +597,34 @@ TEST(GpuDecode, ProgrammaticLaunchWaitsForThePreviousKernel) {
   const Outputs plain = chain(false);
   EXPECT_EQ(plain.stray, 0u);
   EXPECT_TRUE(bitwise_equal(plain, chain(true))) << "the chained step differs with programmatic launch";
+}
+
+TEST(GpuDecode, ProgrammaticLaunchWaitsForThePreviousKernel) {
+  TESSERA_REQUIRE_GPU();
+  int device = 0, major = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 9) GTEST_SKIP() << "programmatic launch needs sm_90 or newer; this GPU gets plain launches";
+  DecodeCase base;
+  pick_compiled(base.kv.head_dim, base.kv.dtype);
+  base.kv_len = {16385, 54, 700};  // a long first step: the second launches well before it ends
+  // The kernel lets the next one launch after its last 16-row pass: also with several passes
+  // (group 8 x 4 verification tokens = 32 rows), and in both CTA shapes.
+  DecodeCase passes = base;
+  passes.num_qo_heads = 16;
+  passes.kv.num_kv_heads = 2;
+  passes.max_qo_len = 4;
+  passes.qo_len = {4, 3, 4};
+  std::vector<DecodeCase> cases;
+  for (int ctas_per_sm : {2, 1}) {
+    if (ctas_per_sm == 1 && !one_cta_per_sm_fits(base.kv.head_dim, base.kv.dtype)) continue;
+    for (DecodeCase c : {base, passes}) {
+      c.ctas_per_sm = ctas_per_sm;
+      cases.push_back(c);
+    }
+  }
+  uint32_t seed = 601;
+  for (const DecodeCase& c : cases) check_chained_steps(c, seed++);
 }
 
 // ---- 7. CUDA graphs ---------------------------------------------------------------------------------
@@ -762,15 +788,6 @@ TEST(GpuDecodeGraph, CapturedRunReplaysAcrossSteps) {
 }
 
 // ---- 8. Bad input -----------------------------------------------------------------------------------
-// Runs `call`, expects a tessera::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
-  try {
-    call();
-    ADD_FAILURE() << "expected tessera::Error containing '" << fragments[0] << "'";
-  } catch (const Error& e) {
-    for (const auto& f : fragments) EXPECT_THAT(e.what(), HasSubstr(f));
-  }
-}
 
 TEST(GpuDecodeBadInput, ConfigIsValidated) {
   TESSERA_REQUIRE_GPU();

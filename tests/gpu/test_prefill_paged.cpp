@@ -458,16 +458,6 @@ TEST(GpuPrefillPaged, RepeatBitwise) {
 }
 
 // ---- 6. Bad input ------------------------------------------------------------------------------------
-// Runs `call`, expects a tessera::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
-  try {
-    call();
-    ADD_FAILURE() << "expected tessera::Error containing '" << fragments[0] << "'";
-  } catch (const Error& e) {
-    for (const auto& f : fragments) EXPECT_THAT(e.what(), HasSubstr(f));
-  }
-}
-
 TEST(GpuPrefillPagedBadInput, ArgumentsAreValidated) {
   TESSERA_REQUIRE_GPU();
   PagedCase c;

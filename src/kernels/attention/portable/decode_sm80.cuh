@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "core/once_per_device.h"
@@ -27,6 +28,8 @@
 #include "kernels/common/dependent_launch.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/vec8.cuh"
+#include "tessera/error.h"
+#include "tessera_instantiations.h"
 
 namespace tessera::kernels::sm80 {
 
@@ -34,10 +37,9 @@ namespace tessera::kernels::sm80 {
 // per block (sm_86, sm_89), where three stages at hd128/hd256 (103/107 KB) cannot launch.
 // kCtasPerSmT: the CTA shape. 2: two CTAs share an SM, each with 32 KB stages (the default). 1: one
 // CTA per SM with twice the warps and 64 KB stages, the same registers and shared memory per SM
-// (sm_90's 227 KB; hd128 and hd256): the planner's shape for a batch whose unsplit (request, KV
-// head) items about fill the SMs, which it then runs without a split (no partials, no merge).
-// Measured on the H200 (notes/decode.md, v12): b16 x 8K 4.18 vs 4.10 TB/s, b12 3.99 vs 3.90,
-// hd256 b1 x 32K 3.51 vs 3.12; worse with an overfilled list (b64 x 4K 4.22 vs 4.34).
+// (sm_90's 227 KB; hd128 and hd256). The planner picks it where it pays (decode_plan.h): mostly a
+// batch whose (request, KV head) items about fill the SMs, which it then runs unsplit (no
+// partials, no merge). Measured gains and losses: notes/decode.md, v12.
 template <int kHeadDim, int kStagesT = 3, int kCtasPerSmT = 2>
 struct DecodeTileConfig {
   static_assert(kCtasPerSmT == 1 || kCtasPerSmT == 2, "one or two CTAs per SM");
@@ -47,7 +49,8 @@ struct DecodeTileConfig {
   static constexpr int kThreads = kWarps * 32;
   // Measured on H200 (hd128, NHD page 16, see notes/decode.md): 3 stages x 2 CTAs per SM beat
   // 2 stages x 3 CTAs (b64 x 4K: 4.32 vs 3.86 TB/s, a wave-quantisation tail) and 4 or 6 stages
-  // x 1 CTA (2.5 and 2.3 TB/s: one CTA per SM cannot issue the copies fast enough).
+  // x 1 CTA of 4 warps (2.5 and 2.3 TB/s: one 4-warp CTA per SM cannot issue the copies fast
+  // enough; the one-CTA-per-SM shape has 8).
   static constexpr int kStages = kStagesT;
   static constexpr int kMinBlocksPerSM = kCtasPerSm;
   static constexpr int kRows = 16;                 // query rows per pass: one m16 tile
@@ -495,11 +498,11 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
         }
       }
       cp_async_wait<0>();
-      // The next kernel may start launching once every CTA has streamed its keys: it then overlaps
-      // this kernel's combines, partial writes and merges. Allowed at the start instead, a stream
-      // of steps whose grid leaves SMs or CTA slots free ran 16-17% slower than plain launches
-      // (b12 x 8K 3.47 vs 4.15 TB/s, b24 3.63 vs 4.34; here 4.19 and 4.38; b1 x 32K unchanged).
-      allow_dependent_launch();
+      // The next kernel may start launching once every CTA has streamed its keys (its last pass):
+      // it then overlaps this kernel's combines, partial writes and merges. Allowed at the start
+      // instead, a stream of steps whose grid leaves SMs or CTA slots free ran 16-17% slower than
+      // plain launches (b12 x 8K 3.47 vs 4.15 TB/s, b24 3.63 vs 4.34; here 4.19 and 4.38).
+      if (r0 + kRows >= rows) allow_dependent_launch();
       __syncthreads();  // every warp is done with the stages: the combine scratch reuses them
 
       // Each warp's state (max in log2 units, sum, unnormalised O) into shared memory.
@@ -642,19 +645,29 @@ void launch_decode_shape(const DecodeParams& p, const DecodeLaunch& launch, cuda
   }
 }
 
-// The one-CTA-per-SM shape is compiled at hd128 and hd256 with 3 stages. At hd64 it would take 16
-// warps of at most 128 registers, and ptxas spills there.
+// The one-CTA-per-SM shape is compiled at hd128 and hd256 with 3 stages (unless the build leaves it
+// out: TESSERA_DECODE_ONE_CTA_PER_SM). At hd64 it would take 16 warps of at most 128 registers,
+// and ptxas spills there.
 template <int kHeadDim>
-constexpr bool kHasOneCtaPerSmShape = kHeadDim >= 128;
+constexpr bool kHasOneCtaPerSmShape = TESSERA_INST_DECODE_ONE_CTA_PER_SM && kHeadDim >= 128;
+
+[[noreturn]] inline void one_cta_per_sm_not_compiled(int head_dim, int stages) {
+  throw Error("tessera: the one-CTA-per-SM decode shape is not compiled for head_dim " +
+              std::to_string(head_dim) + " with " + std::to_string(stages) +
+              " stages (it exists at head_dim 128 and 256 with 3 stages, TESSERA_DECODE_ONE_CTA_PER_SM)");
+}
 
 template <typename T, int kHeadDim>
 void launch_decode(const DecodeParams& p, const DecodeLaunch& launch, cudaStream_t stream) {
   if (launch.decode_ctas == 0) return;
-  if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
-    if (launch.one_cta_per_sm) {
-      launch_decode_shape<T, kHeadDim, 3, 1>(p, launch, stream);
-      return;
+  if (launch.one_cta_per_sm) {
+    if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
+      if (launch.stages == 3) {
+        launch_decode_shape<T, kHeadDim, 3, 1>(p, launch, stream);
+        return;
+      }
     }
+    one_cta_per_sm_not_compiled(kHeadDim, launch.stages);
   }
   if (launch.stages == 2) launch_decode_shape<T, kHeadDim, 2, 2>(p, launch, stream);
   else launch_decode_shape<T, kHeadDim, 3, 2>(p, launch, stream);
@@ -694,8 +707,11 @@ DecodeKernelInfo decode_kernel_info_of() {
 // (decode_smem_bytes); the occupancy it reports may still be lower than ctas_per_sm.
 template <typename T, int kHeadDim>
 DecodeKernelInfo decode_kernel_info(int stages, int ctas_per_sm) {
-  if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
-    if (ctas_per_sm == 1) return decode_kernel_info_of<T, kHeadDim, 3, 1>();
+  if (ctas_per_sm == 1) {
+    if constexpr (kHasOneCtaPerSmShape<kHeadDim>) {
+      if (stages == 3) return decode_kernel_info_of<T, kHeadDim, 3, 1>();
+    }
+    one_cta_per_sm_not_compiled(kHeadDim, stages);
   }
   return stages == 2 ? decode_kernel_info_of<T, kHeadDim, 2, 2>() : decode_kernel_info_of<T, kHeadDim, 3, 2>();
 }
