@@ -109,8 +109,7 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.ctas_per_sm = g.ctas_per_sm;
   cap.one_cta_per_sm_shape = g.one_cta_per_sm;
   // At hd256 the default CTA has 2 warps (32 keys per stage) and its merges of many chunks are
-  // slow: the one-CTA-per-SM shape was 2-13% faster for split lists there (b4 x 16K, b1 x 32K),
-  // 0.5-2% slower at hd128 (notes/decode.md, v12).
+  // slow, so the one-CTA-per-SM shape pays for split lists there (measured: decode_plan.cpp).
   cap.one_cta_per_sm_for_splits = c.head_dim >= 256;
   cap.window_left = effective_window(c.window_left);
   return cap;
@@ -135,8 +134,6 @@ struct BatchDecoder::Impl {
   void* staging = nullptr;         // pinned host image of the plan
   cudaEvent_t copied = nullptr;    // the staging buffer's last copy has completed
   bool planned = false;
-  // The capacity's largest batch fits one wave of the one-CTA-per-SM shape unsplit.
-  bool capacity_fits_one_cta_per_sm = false;
   plan::CtaShape plan_shape = plan::CtaShape::kDefault;  // the kernel shape of the last plan
   int device = 0;
   // What run() checks its arguments against.
@@ -154,8 +151,6 @@ struct BatchDecoder::Impl {
     if (c.ctas_per_sm != 0) {
       planner.pin_shape(c.ctas_per_sm == 1 ? plan::CtaShape::kOneCtaPerSm : plan::CtaShape::kDefault);
     }
-    capacity_fits_one_cta_per_sm =
-        g.one_cta_per_sm && int64_t(c.max_batch_size) * c.num_kv_heads <= g.num_sms;
   }
   ~Impl() {
     if (copied) cudaEventDestroy(copied);
@@ -382,7 +377,8 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
     // can overfill it; a capacity with larger batches captures the default shape, which loses
     // little where the other would have won (2-3%) and nothing where it would have lost (up to 22%
     // at b17 x 8K). This step's plan runs correctly on either kernel (the grid covers every task).
-    if (c.ctas_per_sm == 0 && !im.capacity_fits_one_cta_per_sm) shape = plan::CtaShape::kDefault;
+    const bool capacity_fits_one_cta_per_sm = int64_t(c.max_batch_size) * c.num_kv_heads <= im.gpu.num_sms;
+    if (c.ctas_per_sm == 0 && !capacity_fits_one_cta_per_sm) shape = plan::CtaShape::kDefault;
     impl_->planner.pin_shape(shape);
   }
   launch.one_cta_per_sm = shape == plan::CtaShape::kOneCtaPerSm;

@@ -99,7 +99,7 @@ int decode_smem_bytes(int head_dim, int stages, int ctas_per_sm = 2) {
 int decode_one_cta_per_sm_bytes(int head_dim) { return decode_smem_bytes(head_dim, 3, 1); }
 
 bool decode_one_cta_per_sm_fits(int head_dim) {
-  const int needed = decode_smem_bytes(head_dim, 3, 1);
+  const int needed = decode_one_cta_per_sm_bytes(head_dim);
   return needed > 0 && needed <= shared_memory_per_block();
 }
 

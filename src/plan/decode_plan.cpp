@@ -189,9 +189,9 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   // for its wave of num_sms CTAs. That shape is taken when its list fits its wave, its longest
   // task is at most ctas_per_sm x the default's (a CTA of it streams as fast as the default CTAs
   // an SM would otherwise hold; within kOneCtaPerSmMargin, since it saves chunks and merges) and
-  // it splits nothing, or the capacity says it pays for split lists too. Measured on the H200 (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16
-  // x 8K: no partials, no merge); at hd128 a split list runs 0.5-2% slower in it (b1-b8), at hd256
-  // 2-13% faster (b4, b1 x 32K).
+  // it splits nothing, or the capacity says it pays for split lists too. Measured on the H200
+  // (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16 x 8K: no partials, no merge); at hd128
+  // a split list runs 0.5-2% slower in it (b1-b8), at hd256 2-13% faster (b4, b1 x 32K).
   const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
   const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
   int64_t chunk = chunk_for_wave(wave, gran, longest);
