@@ -230,6 +230,7 @@ struct PrefillProblem {
 };
 
 // prefill: FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
+//   [path=portable|hopper] forces a family; [scheduler= order= heavy_first=] the Hopper schedule.
 int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
@@ -237,10 +238,23 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   PrefillProblem prob(batch, seq, qh, kh, d, causal);
   PrefillArgs& pa = prob.args;
   pa.path = path;
+  if (a.count("path")) pa.path = arg(a, "path") == "hopper" ? AttentionPath::kHopper : AttentionPath::kPortable;
   // smem_limit_kb: run the tile shape a GPU with that much shared memory per block gets (99 on
   // sm_86 / sm_89: the compact hd256 prefill), timed on this GPU.
   const long smem_limit_kb = arg_int(a, "smem_limit_kb", "0");
   dispatch::limit_shared_memory_per_block(static_cast<int>(smem_limit_kb * 1024));
+  // scheduler=persistent|single order=inner|outer heavy_first=true|false: force the Hopper
+  // family's schedule (ablations); absent, the dispatcher's policy.
+  kernels::sm90::PrefillSm90Schedule schedule;
+  const bool force_schedule = a.count("scheduler") > 0;
+  if (force_schedule) {
+    schedule.scheduler = arg(a, "scheduler") == "single" ? kernels::sm90::SchedulerKind::kSingleTile
+                                                         : kernels::sm90::SchedulerKind::kStaticPersistent;
+    schedule.order = arg(a, "order", "inner") == "outer" ? kernels::sm90::TileOrder::kQueryTilesOuter
+                                                         : kernels::sm90::TileOrder::kQueryTilesInner;
+    schedule.heavy_first = arg(a, "heavy_first", "false") == "true";
+    dispatch::force_prefill_sm90_schedule(&schedule);
+  }
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);

@@ -138,10 +138,11 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
 
 namespace {
 
-// The family for (path, dtype, head_dim) on the current GPU, or an error naming `entry_point`.
-AttentionPath choose_path(const char* entry_point, AttentionPath requested, DType dtype, int head_dim) {
+// The family for (path, dtype, head_dim, problem) on the current GPU, or an error naming `entry_point`.
+AttentionPath choose_path(const char* entry_point, AttentionPath requested, DType dtype, int head_dim,
+                          const dispatch::PrefillProblem& problem) {
   const CurrentGpu gpu = current_gpu(entry_point);
-  const auto c = dispatch::choose_prefill(requested, gpu.cc_major, gpu.cc_minor, dtype, head_dim);
+  const auto c = dispatch::choose_prefill(requested, gpu.cc_major, gpu.cc_minor, dtype, head_dim, problem);
   if (!c.ok) throw Error(std::string("tessera::") + entry_point + ": argument 'path': " + c.why_not);
   return c.path;
 }
@@ -189,7 +190,10 @@ kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const Te
 void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill_paged");
   validate_paged(check, a);
-  choose_path("batch_prefill_paged", a.path, a.q.dtype, static_cast<int>(a.q.size(2)));
+  dispatch::PrefillProblem problem;
+  problem.paged = true;
+  problem.shared_memory_per_block = dispatch::shared_memory_per_block();
+  choose_path("batch_prefill_paged", a.path, a.q.dtype, static_cast<int>(a.q.size(2)), problem);
 
   const PagedKVCache& c = a.cache;
   int64_t max_kv = 0;
@@ -218,17 +222,37 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   p.kv_indices = static_cast<const int32_t*>(a.table.indices.data);
   p.kv_last_page_len = static_cast<const int32_t*>(a.table.last_page_len.data);
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
+  p.q_rows = a.q.size(0);
   kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(a.q.size(2)), p, stream);
 }
 
+namespace {
+// The launch's problem shape as the family choice sees it (host copies of qo_indptr).
+dispatch::PrefillProblem ragged_problem(const PrefillArgs& a) {
+  dispatch::PrefillProblem problem;
+  int max_qo = 0;
+  for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
+    max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
+  }
+  const int64_t block_m = kernels::sm90::prefill_sm90_block_m(static_cast<int>(a.q.size(2)));
+  problem.tiles = (a.qo_indptr.size(0) - 1) * a.q.size(1) * ((max_qo + block_m - 1) / block_m);
+  problem.shared_memory_per_block = dispatch::shared_memory_per_block();
+  return problem;
+}
+}  // namespace
+
 AttentionPath choose_prefill_path(const PrefillArgs& args) {
-  return choose_path("batch_prefill", args.path, args.q.dtype, static_cast<int>(args.q.size(2)));
+  const detail::ArgCheck check("batch_prefill");
+  validate(check, args);
+  return choose_path("batch_prefill", args.path, args.q.dtype, static_cast<int>(args.q.size(2)),
+                     ragged_problem(args));
 }
 
 void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill");
   validate(check, a);
-  choose_prefill_path(a);  // only the portable family exists so far: the choice only checks
+  const AttentionPath path = choose_path("batch_prefill", a.path, a.q.dtype, static_cast<int>(a.q.size(2)),
+                                         ragged_problem(a));
 
   int64_t max_kv = 0;
   for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
@@ -245,7 +269,15 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.v_stride_row = a.v.stride[0];
   p.v_stride_head = a.v.stride[1];
   p.kv_indptr = static_cast<const int32_t*>(a.kv_indptr.data);
-  kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(a.q.size(2)), p, stream);
+  p.q_rows = a.q.size(0);
+  p.kv_rows = a.k.size(0);
+  const int head_dim = static_cast<int>(a.q.size(2));
+  if (path == AttentionPath::kHopper) {
+    kernels::sm90::launch_prefill_sm90(a.q.dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p),
+                                       dispatch::sm_count(), stream);
+  } else {
+    kernels::launch_prefill_sm80(a.q.dtype, head_dim, p, stream);
+  }
 }
 
 }  // namespace tessera

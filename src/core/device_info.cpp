@@ -4,24 +4,7 @@
 
 namespace tessera {
 
-const char* kernel_path_name(KernelPath path) {
-  switch (path) {
-    case KernelPath::kNone: return "none (CPU reference only)";
-    case KernelPath::kPortableSm80: return "portable (sm_80: mma.sync, cp.async)";
-    case KernelPath::kHopperSm90a: return "hopper (sm_90a: TMA, wgmma, warp specialisation)";
-  }
-  return "unknown";
-}
-
-// Whether this build holds the Hopper (sm_90a) kernel family. Until it does, sm_90 GPUs run the
-// portable family, and `tessera info` says so rather than promising a path that is not there.
-constexpr bool kHopperFamilyBuilt = false;
-
-KernelPath kernel_path_for(int cc_major, int cc_minor) {
-  if (kHopperFamilyBuilt && cc_major == 9 && cc_minor == 0) return KernelPath::kHopperSm90a;
-  if (cc_major >= 8) return KernelPath::kPortableSm80;
-  return KernelPath::kNone;
-}
+// kernel_path_name and kernel_path_for read the family list (src/dispatch/kernel_families.cpp).
 
 int device_count() {
   int n = 0;

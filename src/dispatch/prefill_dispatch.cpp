@@ -6,20 +6,13 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "dispatch/kernel_families.h"
 #include "kernels/attention/prefill_params.h"
+#include "kernels/attention/sm90/prefill_sm90_launch.h"
 #include "tessera/error.h"
 #include "tessera_instantiations.h"
 
 namespace tessera {
-
-const char* attention_path_name(AttentionPath path) {
-  switch (path) {
-    case AttentionPath::kAuto: return "auto";
-    case AttentionPath::kPortable: return "portable";
-    case AttentionPath::kHopper: return "hopper";
-  }
-  return "unknown";
-}
 
 namespace kernels {
 // One per instantiation group (src/kernels/attention/portable/prefill_sm80_hd*.cu).
@@ -90,6 +83,72 @@ void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
     default: break;
   }
 }
+
+namespace sm90 {
+// One per instantiation group (generated prefill_sm90_hd*.cu, sm_90a).
+#if TESSERA_INST_HOPPER
+#define TESSERA_DECLARE_PREFILL_SM90(HD)                                                                   \
+  void launch_prefill_sm90_hd##HD(DType dtype, const PrefillParams& p, const PrefillSm90Schedule& schedule, \
+                                  int num_sms, cudaStream_t stream);                                        \
+  int prefill_sm90_smem_bytes_hd##HD();
+#if TESSERA_INST_HD64
+TESSERA_DECLARE_PREFILL_SM90(64)
+#endif
+#if TESSERA_INST_HD128
+TESSERA_DECLARE_PREFILL_SM90(128)
+#endif
+#if TESSERA_INST_HD256
+TESSERA_DECLARE_PREFILL_SM90(256)
+#endif
+#undef TESSERA_DECLARE_PREFILL_SM90
+#endif
+
+bool prefill_sm90_compiled(DType dtype, int head_dim) {
+  return TESSERA_INST_HOPPER && prefill_sm80_compiled(dtype, head_dim);
+}
+
+int prefill_sm90_smem_bytes(int head_dim) {
+  switch (head_dim) {
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD64
+    case 64: return prefill_sm90_smem_bytes_hd64();
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128
+    case 128: return prefill_sm90_smem_bytes_hd128();
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD256
+    case 256: return prefill_sm90_smem_bytes_hd256();
+#endif
+    default: return 0;
+  }
+}
+
+int prefill_sm90_block_m(int /*head_dim*/) { return 128; }  // PrefillSm90Config::kBlockM at every head dim
+
+void launch_prefill_sm90(DType dtype, int head_dim, const PrefillParams& params, const PrefillSm90Schedule& schedule,
+                         int num_sms, cudaStream_t stream) {
+  if (!prefill_sm90_compiled(dtype, head_dim)) {
+    throw Error(std::string("tessera: Hopper prefill for ") + dtype_name(dtype) + " head_dim " +
+                std::to_string(head_dim) + " is not compiled in this build (TESSERA_HOPPER / TESSERA_HEAD_DIMS / "
+                "TESSERA_DTYPES)");
+  }
+  switch (head_dim) {
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD64
+    case 64: launch_prefill_sm90_hd64(dtype, params, schedule, num_sms, stream); return;
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128
+    case 128: launch_prefill_sm90_hd128(dtype, params, schedule, num_sms, stream); return;
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD256
+    case 256: launch_prefill_sm90_hd256(dtype, params, schedule, num_sms, stream); return;
+#endif
+    default: break;
+  }
+  (void)params;
+  (void)schedule;
+  (void)num_sms;
+  (void)stream;
+}
+}  // namespace sm90
 }  // namespace kernels
 
 namespace dispatch {
@@ -126,16 +185,41 @@ bool prefill_dtype_compiled(DType dtype) {
   return (dtype == DType::kBF16 && TESSERA_INST_BF16) || (dtype == DType::kFP16 && TESSERA_INST_FP16);
 }
 
-PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor, DType dtype,
-                             int head_dim) {
+PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor, DType dtype, int head_dim,
+                             const PrefillProblem& problem) {
   PrefillChoice c;
   const std::string gpu = "sm_" + std::to_string(cc_major) + std::to_string(cc_minor);
   if (cc_major < 8) {
     c.why_not = "the GPU (" + gpu + ") is older than sm_80, the oldest tessera supports";
     return c;
   }
-  if (requested == AttentionPath::kHopper) {
-    c.why_not = "the Hopper prefill family is not in this build yet (force 'portable' or 'auto')";
+  // Why the Hopper family cannot run this problem here ("" when it can).
+  const KernelFamily& hopper = *kernel_family(AttentionPath::kHopper);
+  std::string hopper_no;
+  if (!hopper.built) {
+    hopper_no = "the Hopper prefill family is not in this build (TESSERA_HOPPER=OFF)";
+  } else if (!hopper.runs_on(cc_major, cc_minor)) {
+    hopper_no = "the Hopper prefill family runs on sm_90 only; this GPU is " + gpu;
+  } else if (!kernels::sm90::prefill_sm90_compiled(dtype, head_dim)) {
+    hopper_no = std::string("Hopper prefill for ") + dtype_name(dtype) + " head_dim " + std::to_string(head_dim) +
+                " is not compiled in this build";
+  } else if (problem.shared_memory_per_block > 0 &&
+             kernels::sm90::prefill_sm90_smem_bytes(head_dim) > problem.shared_memory_per_block) {
+    hopper_no = "the Hopper prefill family needs " + std::to_string(kernels::sm90::prefill_sm90_smem_bytes(head_dim)) +
+                " bytes of shared memory per block at head_dim " + std::to_string(head_dim) + "; this GPU allows " +
+                std::to_string(problem.shared_memory_per_block);
+  } else if (problem.paged) {
+    hopper_no = "the Hopper prefill family does not read paged KV caches yet (force 'portable' or 'auto')";
+  } else if (problem.tiles >= (int64_t(1) << 31)) {
+    hopper_no = "the problem has " + std::to_string(problem.tiles) + " query tiles; the Hopper family takes < 2^31";
+  }
+  if (requested == AttentionPath::kHopper || (requested == AttentionPath::kAuto && hopper_no.empty())) {
+    if (!hopper_no.empty()) {
+      c.why_not = hopper_no;
+      return c;
+    }
+    c.path = AttentionPath::kHopper;
+    c.ok = true;
     return c;
   }
   if (!kernels::prefill_sm80_compiled(dtype, head_dim)) {
@@ -146,6 +230,46 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
   c.path = AttentionPath::kPortable;
   c.ok = true;
   return c;
+}
+
+namespace {
+std::atomic<bool> g_schedule_forced{false};
+kernels::sm90::PrefillSm90Schedule g_forced_schedule;
+}  // namespace
+
+void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule) {
+  if (schedule != nullptr) g_forced_schedule = *schedule;
+  g_schedule_forced.store(schedule != nullptr);
+}
+
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p) {
+  if (g_schedule_forced.load()) return g_forced_schedule;
+  using namespace kernels::sm90;
+  PrefillSm90Schedule s;
+  if (p.causal) {
+    // Query tiles of unequal cost: the hardware hands the next tile to the first free SM, heaviest
+    // first (notes/prefill_hopper.md).
+    s.scheduler = SchedulerKind::kSingleTile;
+    s.order = TileOrder::kQueryTilesOuter;
+    s.heavy_first = true;
+  } else {
+    s.scheduler = SchedulerKind::kStaticPersistent;
+    s.order = TileOrder::kQueryTilesInner;
+    s.heavy_first = false;
+  }
+  return s;
+}
+
+int sm_count() {
+  static std::array<std::atomic<int>, 64> count_of{};  // 0: not read yet
+  int device = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  int n = device < 64 ? count_of[device].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    if (device < 64) count_of[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 }  // namespace dispatch

@@ -1,9 +1,12 @@
 // Kernel selection for prefill attention: by compute capability, problem and the forced path.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kernels/attention/prefill_params.h"
+#include "kernels/attention/sm90/prefill_sm90_launch.h"
 #include "tessera/attention.h"
 #include "tessera/dtype.h"
 
@@ -26,11 +29,26 @@ struct PrefillChoice {
 int shared_memory_per_block();
 void limit_shared_memory_per_block(int bytes);
 
+// What of the problem the choice depends on, besides the GPU, dtype and head dim.
+struct PrefillProblem {
+  bool paged = false;
+  int64_t tiles = 0;  // (request, query head, 128-row query tile) triples of the launch
+  int shared_memory_per_block = 0;  // what the GPU allows (shared_memory_per_block()); 0: not checked
+};
+
 // Pure decision (no GPU needed): which family runs `requested` on a GPU of capability
-// cc_major.cc_minor. Today the Hopper family is not built, so kAuto takes the portable family on
-// every GPU from sm_80 on (it is a supported configuration there, not a fallback) and a forced
-// kHopper is an error.
-PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor, DType dtype,
-                             int head_dim);
+// cc_major.cc_minor. kAuto takes the Hopper family where it is built, runs on the GPU (sm_90)
+// and supports the problem, and the portable family otherwise (a supported configuration on every
+// GPU from sm_80 on, not a fallback); a forced family that cannot run is an error saying why.
+PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor, DType dtype, int head_dim,
+                             const PrefillProblem& problem = {});
+
+// The Hopper family's tile order and scheduler for a problem (the measured policy of
+// notes/prefill_hopper.md), unless a test or benchmark forced one (nullptr lifts it).
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params);
+void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
+
+// SMs of the current GPU (read once per device).
+int sm_count();
 
 }  // namespace tessera::dispatch

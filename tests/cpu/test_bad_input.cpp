@@ -245,8 +245,8 @@ TEST(TensorViewBasics, ContiguousStridesAndDescribe) {
 }
 
 TEST(DeviceInfoPaths, PathByComputeCapability) {
-  // sm_90 takes the portable family until the Hopper family is built.
-  EXPECT_EQ(kernel_path_for(9, 0), KernelPath::kPortableSm80);
+  // sm_90 takes the Hopper family where the build holds it (PrefillDispatch.FamilyListIsTheOneSource).
+  EXPECT_NE(kernel_path_for(9, 0), KernelPath::kNone);
   EXPECT_EQ(kernel_path_for(8, 0), KernelPath::kPortableSm80);
   EXPECT_EQ(kernel_path_for(8, 9), KernelPath::kPortableSm80);
   EXPECT_EQ(kernel_path_for(10, 0), KernelPath::kPortableSm80);

@@ -2,7 +2,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "dispatch/kernel_families.h"
 #include "dispatch/prefill_dispatch.h"
+#include "tessera/device_info.h"
 
 namespace tessera {
 namespace {
@@ -10,23 +12,64 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(PrefillDispatch, AutoPicksPortableFromSm80) {
-  for (auto [major, minor] : {std::pair{8, 0}, {8, 6}, {8, 9}, {9, 0}, {10, 0}}) {
+  for (auto [major, minor] : {std::pair{8, 0}, {8, 6}, {8, 9}, {10, 0}, {12, 0}}) {
     const auto c = dispatch::choose_prefill(AttentionPath::kAuto, major, minor, DType::kBF16, 128);
     EXPECT_TRUE(c.ok) << major << "." << minor << ": " << c.why_not;
     EXPECT_EQ(c.path, AttentionPath::kPortable);
   }
 }
 
+// sm_90 takes the Hopper family wherever this build holds it and it supports the problem.
+TEST(PrefillDispatch, AutoPicksHopperOnSm90WhenBuilt) {
+  const auto& hopper = *dispatch::kernel_family(AttentionPath::kHopper);
+  const auto c = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, 128);
+  ASSERT_TRUE(c.ok) << c.why_not;
+  EXPECT_EQ(c.path, hopper.built ? AttentionPath::kHopper : AttentionPath::kPortable);
+  // Paged KV caches are not on the Hopper family yet: auto takes the portable one, forced is an error.
+  dispatch::PrefillProblem paged;
+  paged.paged = true;
+  const auto p = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, 128, paged);
+  ASSERT_TRUE(p.ok) << p.why_not;
+  EXPECT_EQ(p.path, AttentionPath::kPortable);
+  const auto forced = dispatch::choose_prefill(AttentionPath::kHopper, 9, 0, DType::kBF16, 128, paged);
+  EXPECT_FALSE(forced.ok);
+  EXPECT_THAT(forced.why_not, HasSubstr(hopper.built ? "paged" : "not in this build"));
+  // A launch of 2^31 query tiles or more is beyond the Hopper family's tile list.
+  dispatch::PrefillProblem huge;
+  huge.tiles = int64_t(1) << 31;
+  const auto h = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, 128, huge);
+  ASSERT_TRUE(h.ok) << h.why_not;
+  EXPECT_EQ(h.path, AttentionPath::kPortable);
+}
+
+TEST(PrefillDispatch, ForcedHopperElsewhereIsAnError) {
+  for (auto [major, minor] : {std::pair{8, 0}, {8, 9}, {10, 0}}) {
+    const auto c = dispatch::choose_prefill(AttentionPath::kHopper, major, minor, DType::kBF16, 128);
+    EXPECT_FALSE(c.ok) << major << "." << minor;
+    EXPECT_THAT(c.why_not, HasSubstr(dispatch::kernel_family(AttentionPath::kHopper)->built ? "sm_90 only"
+                                                                                           : "not in this build"));
+  }
+}
+
+// One list names the families: the public names, `tessera info`'s path and the dispatcher agree.
+TEST(PrefillDispatch, FamilyListIsTheOneSource) {
+  const auto& families = dispatch::kernel_families();
+  ASSERT_EQ(families.size(), 2u);
+  for (const auto& f : families) {
+    EXPECT_STREQ(attention_path_name(f.path), f.name);
+    EXPECT_THAT(kernel_path_name(f.kernel_path), HasSubstr(f.description));
+  }
+  EXPECT_EQ(kernel_path_for(9, 0), dispatch::kernel_family(AttentionPath::kHopper)->built ? KernelPath::kHopperSm90a
+                                                                                          : KernelPath::kPortableSm80);
+  EXPECT_EQ(kernel_path_for(8, 0), KernelPath::kPortableSm80);
+  EXPECT_EQ(kernel_path_for(10, 0), KernelPath::kPortableSm80);
+  EXPECT_EQ(kernel_path_for(7, 5), KernelPath::kNone);
+}
+
 TEST(PrefillDispatch, OldGpuIsAnError) {
   const auto c = dispatch::choose_prefill(AttentionPath::kAuto, 7, 5, DType::kBF16, 128);
   EXPECT_FALSE(c.ok);
   EXPECT_THAT(c.why_not, HasSubstr("older than sm_80"));
-}
-
-TEST(PrefillDispatch, ForcedHopperIsAnErrorUntilBuilt) {
-  const auto c = dispatch::choose_prefill(AttentionPath::kHopper, 9, 0, DType::kBF16, 128);
-  EXPECT_FALSE(c.ok);
-  EXPECT_THAT(c.why_not, HasSubstr("Hopper prefill family is not in this build"));
 }
 
 TEST(PrefillDispatch, UncompiledHeadDimIsAnError) {

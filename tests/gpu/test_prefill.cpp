@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "dispatch/kernel_families.h"
 #include "dispatch/prefill_dispatch.h"
 #include "gpu/gpu_test_util.h"
 #include "reference/attention_ref.h"
@@ -23,6 +24,9 @@ struct PrefillCase {
   int64_t pad = 0;       // extra elements per row of q/k/v/o (strided rows)
   int64_t head_pad = 0;  // extra elements per head of q/k/v (head stride > head_dim)
   AttentionPath path = AttentionPath::kAuto;
+  float q_range = 2.f, kv_range = 1.f;  // inputs uniform in [-range, range]
+  // Hopper family: each of these schedules in turn (empty: the dispatcher's).
+  std::vector<kernels::sm90::PrefillSm90Schedule> schedules;
 };
 
 std::string describe(const PrefillCase& c) {
@@ -62,6 +66,21 @@ struct Ragged16 {  // a ragged [rows, heads, dim] tensor with padded rows and he
   }
 };
 
+// The families a case runs on: the one it forces, or (kAuto) every family this GPU runs for it.
+std::vector<AttentionPath> paths_to_test(AttentionPath forced, DType dtype, int head_dim) {
+  if (forced != AttentionPath::kAuto) return {forced};
+  const DeviceInfo info = device_info();
+  dispatch::PrefillProblem problem;
+  problem.shared_memory_per_block = dispatch::shared_memory_per_block();
+  std::vector<AttentionPath> paths;
+  for (const auto& family : dispatch::kernel_families()) {
+    if (dispatch::choose_prefill(family.path, info.cc_major, info.cc_minor, dtype, head_dim, problem).ok) {
+      paths.push_back(family.path);
+    }
+  }
+  return paths;
+}
+
 void run_case(const PrefillCase& c, uint32_t seed) {
   SCOPED_TRACE(describe(c));
   // A narrowed build (TESSERA_HEAD_DIMS / TESSERA_DTYPES) tests only what it compiled.
@@ -78,9 +97,9 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     kv_indptr.push_back(kv_indptr.back() + c.kv_len[i]);
   }
   const int64_t total_q = qo_indptr.back(), total_kv = kv_indptr.back();
-  Ragged16 q(total_q, c.num_qo_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, 2.f);
-  Ragged16 k(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, 1.f);
-  Ragged16 v(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, 1.f);
+  Ragged16 q(total_q, c.num_qo_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, c.q_range);
+  Ragged16 k(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, c.kv_range);
+  Ragged16 v(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, c.kv_range);
   const int64_t o_stride = int64_t(c.num_qo_heads) * c.head_dim + c.pad;
   DeviceBuffer o(std::max<int64_t>(total_q * o_stride, 8) * 2), lse(std::max<int64_t>(total_q * c.num_qo_heads, 2) * 4);
   DeviceBuffer d_qo(qo_indptr.size() * 4), d_kv(kv_indptr.size() * 4);
@@ -101,29 +120,6 @@ void run_case(const PrefillCase& c, uint32_t seed) {
   a.window_left = c.window_left;
   a.soft_cap = c.soft_cap;
   a.scale = c.scale;
-  a.path = c.path;
-
-  o.poison();
-  lse.poison();
-  batch_prefill(a, nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto o_bits = o.download<uint16_t>(size_t(total_q * o_stride));
-  const auto lse_got = lse.download<float>(size_t(total_q * c.num_qo_heads));
-  std::vector<float> o_got(size_t(total_q) * c.num_qo_heads * c.head_dim);
-  for (int64_t r = 0; r < total_q; ++r)
-    for (int64_t e = 0; e < int64_t(c.num_qo_heads) * c.head_dim; ++e) {
-      const uint16_t b = o_bits[r * o_stride + e];
-      float& dst = o_got[r * c.num_qo_heads * c.head_dim + e];
-      if (b == kPoison16) std::memcpy(&dst, "\xff\xff\xff\xff", 4);
-      else dst = from_bits(b, c.dtype);
-    }
-
-  // Bitwise identical on a second run, O and LSE.
-  batch_prefill(a, nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_TRUE(o.download<uint16_t>(size_t(total_q * o_stride)) == o_bits) << "second run differs (o)";
-  const auto lse_again = lse.download<float>(size_t(total_q * c.num_qo_heads));
-  EXPECT_EQ(std::memcmp(lse_again.data(), lse_got.data(), lse_got.size() * 4), 0) << "second run differs (lse)";
 
   ref::AttentionParams rp;
   rp.num_qo_heads = c.num_qo_heads;
@@ -142,8 +138,57 @@ void run_case(const PrefillCase& c, uint32_t seed) {
   for (size_t i = 0; i < o_ref.size(); ++i) {
     if (std::isfinite(o_naive[i] - o_ref[i])) naive_err = std::max(naive_err, std::fabs(o_naive[i] - o_ref[i]));
   }
-  expect_within_rule(o_got, o_ref, naive_err, 1e-4, "o");
-  expect_within_rule(lse_got, lse_ref, 0.0, 2e-4, "lse");
+
+  // Every family this GPU runs (or the one the case forces), each against the reference; the
+  // Hopper family under each schedule the case lists.
+  struct Run {
+    AttentionPath path;
+    const kernels::sm90::PrefillSm90Schedule* schedule;
+  };
+  std::vector<Run> runs;
+  for (AttentionPath path : paths_to_test(c.path, c.dtype, c.head_dim)) {
+    if (path == AttentionPath::kHopper && !c.schedules.empty()) {
+      for (const auto& s : c.schedules) runs.push_back({path, &s});
+    } else {
+      runs.push_back({path, nullptr});
+    }
+  }
+  for (const Run& run : runs) {
+    const AttentionPath path = run.path;
+    std::string trace = std::string("path ") + attention_path_name(path);
+    if (run.schedule != nullptr) {
+      trace += " scheduler " + std::to_string(int(run.schedule->scheduler)) + " order " +
+               std::to_string(int(run.schedule->order)) + " heavy_first " + std::to_string(run.schedule->heavy_first);
+    }
+    SCOPED_TRACE(trace);
+    dispatch::force_prefill_sm90_schedule(run.schedule);
+    a.path = path;
+    o.poison();
+    lse.poison();
+    batch_prefill(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto o_bits = o.download<uint16_t>(size_t(total_q * o_stride));
+    const auto lse_got = lse.download<float>(size_t(total_q * c.num_qo_heads));
+    std::vector<float> o_got(size_t(total_q) * c.num_qo_heads * c.head_dim);
+    for (int64_t r = 0; r < total_q; ++r)
+      for (int64_t e = 0; e < int64_t(c.num_qo_heads) * c.head_dim; ++e) {
+        const uint16_t b = o_bits[r * o_stride + e];
+        float& dst = o_got[r * c.num_qo_heads * c.head_dim + e];
+        if (b == kPoison16) std::memcpy(&dst, "\xff\xff\xff\xff", 4);
+        else dst = from_bits(b, c.dtype);
+      }
+
+    // Bitwise identical on a second run, O and LSE.
+    batch_prefill(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_TRUE(o.download<uint16_t>(size_t(total_q * o_stride)) == o_bits) << "second run differs (o)";
+    const auto lse_again = lse.download<float>(size_t(total_q * c.num_qo_heads));
+    EXPECT_EQ(std::memcmp(lse_again.data(), lse_got.data(), lse_got.size() * 4), 0) << "second run differs (lse)";
+
+    expect_within_rule(o_got, o_ref, naive_err, 1e-4, "o");
+    expect_within_rule(lse_got, lse_ref, 0.0, 2e-4, "lse");
+  }
+  dispatch::force_prefill_sm90_schedule(nullptr);
 }
 
 TEST(GpuPrefill, HeadDimsDtypesMasks) {
@@ -215,8 +260,14 @@ TEST(GpuPrefill, ForcedPaths) {
   c.kv_len = {16};
   c.path = AttentionPath::kPortable;
   run_case(c, 300);
-  c.path = AttentionPath::kHopper;  // not built yet: a clear error, not a silent fallback
-  EXPECT_THROW(run_case(c, 301), Error);
+  // The Hopper family where this GPU and build run it; elsewhere a clear error, not a fallback.
+  c.path = AttentionPath::kHopper;
+  const DeviceInfo info = device_info();
+  if (dispatch::choose_prefill(AttentionPath::kHopper, info.cc_major, info.cc_minor, c.dtype, c.head_dim).ok) {
+    run_case(c, 301);
+  } else {
+    EXPECT_THROW(run_case(c, 301), Error);
+  }
 }
 
 // GPUs with 99 KB of shared memory per block (sm_86, sm_89) get the compact hd256 tile shape
@@ -274,6 +325,102 @@ TEST(GpuPrefill, HeadStridesWindowsAndChunkedPrefill) {
     c.window_left = 0;         // only the diagonal key
     run_case(c, seed++);
   }
+}
+
+
+// ---- The Hopper family ---------------------------------------------------------------------
+
+// Why the Hopper family cannot run (dtype, head_dim) on this GPU, or "" when it can.
+std::string hopper_unavailable(DType dtype, int head_dim) {
+  const DeviceInfo info = device_info();
+  const auto c = dispatch::choose_prefill(AttentionPath::kHopper, info.cc_major, info.cc_minor, dtype, head_dim);
+  return c.ok ? std::string() : c.why_not;
+}
+
+// Every scheduler x tile order on ragged batches of more tiles than SMs (persistent CTAs walk
+// several tiles, with the K / V rings running across them), causal, windowed and plain.
+TEST(GpuPrefillHopper, EverySchedule) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 500;
+  std::vector<kernels::sm90::PrefillSm90Schedule> schedules;
+  for (auto scheduler : {kernels::sm90::SchedulerKind::kStaticPersistent, kernels::sm90::SchedulerKind::kSingleTile}) {
+    for (auto order : {kernels::sm90::TileOrder::kQueryTilesInner, kernels::sm90::TileOrder::kQueryTilesOuter}) {
+      for (bool heavy_first : {false, true}) {
+        kernels::sm90::PrefillSm90Schedule schedule;
+        schedule.scheduler = scheduler;
+        schedule.order = order;
+        schedule.heavy_first = heavy_first;
+        schedules.push_back(schedule);
+      }
+    }
+  }
+  for (int hd : dispatch::compiled_prefill_head_dims()) {
+    const std::string why = hopper_unavailable(DType::kBF16, hd);
+    if (!why.empty()) GTEST_SKIP() << why;
+    PrefillCase c;
+    c.head_dim = hd;
+    c.num_qo_heads = 4;
+    c.num_kv_heads = 1;
+    // 9 requests x 4 heads x 17 query tiles (2100 rows) = 612 list entries for 132 SMs; qo_len >
+    // kv_len (97 over 54), an empty q, KV tiles ending mid-tile.
+    c.qo_len = {1, 7, 577, 1000, 300, 0, 129, 97, 2100};
+    c.kv_len = {7, 7, 577, 1200, 2100, 9, 128, 54, 2100};
+    c.path = AttentionPath::kHopper;
+    c.schedules = schedules;
+    c.causal = true;
+    run_case(c, seed++);
+    c.causal = false;
+    c.window_left = 100;
+    run_case(c, seed++);
+  }
+}
+
+// One long request (16385 rows: a tile of one row at the end), large logits, fp16, a packed-qkv
+// style stride and GQA group 16, all on the Hopper family.
+TEST(GpuPrefillHopper, LongRequestsMagnitudesAndStrides) {
+  TESSERA_REQUIRE_GPU();
+  const std::string why = hopper_unavailable(DType::kBF16, 128);
+  if (!why.empty()) GTEST_SKIP() << why;
+  PrefillCase c;
+  c.path = AttentionPath::kHopper;
+  c.num_qo_heads = 1;
+  c.num_kv_heads = 1;
+  c.qo_len = {16385};
+  c.kv_len = {16385};
+  c.causal = true;
+  c.window_left = 300;
+  run_case(c, 600);
+  c.qo_len = {333, 1};
+  c.kv_len = {2000, 1};
+  c.causal = false;
+  c.window_left = -1;
+  c.q_range = 24.f;  // logits up to ~|24 * 4 * 128| / sqrt(128): a max far from the first tile's
+  c.kv_range = 4.f;
+  run_case(c, 601);
+  c.q_range = 2.f;
+  c.kv_range = 1.f;
+  c.num_qo_heads = 16;
+  c.num_kv_heads = 1;
+  c.pad = 40;  // rows of a packed projection: row stride = heads x dim + 40
+  c.soft_cap = 20.f;
+  c.causal = true;
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    if (!dispatch::prefill_dtype_compiled(dt)) continue;
+    c.dtype = dt;
+    run_case(c, 602);
+  }
+}
+
+// On sm_90 the dispatcher picks the Hopper family for ragged prefill.
+TEST(GpuPrefillHopper, AutoPicksHopperOnSm90) {
+  TESSERA_REQUIRE_GPU();
+  const DeviceInfo info = device_info();
+  const int hd = dispatch::compiled_prefill_head_dims().front();
+  const std::string why = hopper_unavailable(DType::kBF16, hd);
+  if (!why.empty()) GTEST_SKIP() << why;
+  EXPECT_EQ(info.path, KernelPath::kHopperSm90a);
+  EXPECT_EQ(dispatch::choose_prefill(AttentionPath::kAuto, info.cc_major, info.cc_minor, DType::kBF16, hd).path,
+            AttentionPath::kHopper);
 }
 
 }  // namespace

@@ -23,6 +23,8 @@ struct PrefillParams {
   int64_t lse_stride_row = 0, lse_stride_head = 0;
   const int32_t* qo_indptr = nullptr;  // device [batch + 1]
   const int32_t* kv_indptr = nullptr;  // device [batch + 1]: rows (ragged) or pages (paged)
+  int64_t q_rows = 0;   // rows of the q tensor (and o)
+  int64_t kv_rows = 0;  // rows of the ragged k / v tensors (0 when paged)
 
   // Paged K/V (paged == true): k / v are the page tensors, element strides of the page, token and
   // head dims below (each < 2^31), request r owns pages kv_indices[kv_indptr[r] ..] and its kv_len

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/pack_half2.cuh"
+
 namespace tessera::kernels::sm80 {
 
 __device__ inline uint32_t smem_addr(const void* p) {
@@ -77,15 +79,7 @@ __device__ inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t
 // Two fp32 values packed into one b32 of T (the low half holds `lo`).
 template <typename T>
 __device__ inline uint32_t pack2(float lo, float hi) {
-  uint32_t r;
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    r = *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    r = *reinterpret_cast<uint32_t*>(&v);
-  }
-  return r;
+  return pack_half2<T>(lo, hi);
 }
 
 // A tile of kRows x kCols 16-bit elements in shared memory, rows of kCols contiguous elements,

@@ -23,7 +23,7 @@
 #include "core/cuda_check.h"
 #include "core/once_per_device.h"
 #include "kernels/attention/decode_params.h"
-#include "kernels/attention/logits.cuh"
+#include "kernels/attention/common/logits.cuh"
 #include "kernels/common/bulk_copy_sm90.cuh"
 #include "kernels/common/dependent_launch.cuh"
 #include "kernels/common/mma_sm80.cuh"

@@ -16,7 +16,8 @@
 
 #include "core/cuda_check.h"
 #include "core/once_per_device.h"
-#include "kernels/attention/logits.cuh"
+#include "kernels/attention/common/logits.cuh"
+#include "kernels/attention/common/mask.cuh"
 #include "kernels/attention/portable/kv_source_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
@@ -88,22 +89,7 @@ __device__ __forceinline__ float tree_reduce(Leaf leaf, Op op) {
   }
 }
 
-// The band of keys a query row may see: [key_begin(i), key_end(i)).
-struct MaskBand {
-  int qo_len, kv_len, offset;  // offset = kv_len - qo_len (bottom-right alignment)
-  bool causal;
-  int window_left;
-  __device__ int key_begin(int row) const {
-    return window_left >= 0 ? max(0, row + offset - window_left) : 0;
-  }
-  __device__ int key_end(int row) const {
-    return causal ? min(kv_len, row + offset + 1) : kv_len;
-  }
-  __device__ bool visible(int row, int key) const {
-    return key < kv_len && (!causal || key <= row + offset) &&
-           (window_left < 0 || key >= row + offset - window_left);
-  }
-};
+using kernels::MaskBand;
 
 // Copies rows [row0, row0 + kRows) of one head of a ragged [rows, heads, kHeadDim] tensor into a
 // swizzled shared tile; rows at or past `valid_rows` are zero-filled.

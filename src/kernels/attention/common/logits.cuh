@@ -6,13 +6,15 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/attention/common/log2_math.cuh"
+
 namespace tessera::kernels {
 
 struct PlainLogits {
   static constexpr bool kIdentity = true;
   float log2_scale;  // scale * log2(e)
   __host__ __device__ PlainLogits(float scale, float /*soft_cap*/)
-      : log2_scale(scale * 1.4426950408889634f) {}
+      : log2_scale(scale * kLog2e) {}
   __device__ float operator()(float qk) const { return qk; }
 };
 
@@ -20,16 +22,8 @@ struct SoftCappedLogits {
   static constexpr bool kIdentity = false;
   float pre, cap, log2_scale;  // x = cap * tanh(qk * scale / cap), already scaled
   __host__ __device__ SoftCappedLogits(float scale, float soft_cap)
-      : pre(scale / soft_cap), cap(soft_cap), log2_scale(1.4426950408889634f) {}
+      : pre(scale / soft_cap), cap(soft_cap), log2_scale(kLog2e) {}
   __device__ float operator()(float qk) const { return cap * tanhf(qk * pre); }
 };
-
-// 2^x with the hardware approximation (2 ulp; subnormal results flush to 0, which only ever
-// affects probabilities below 2^-126).
-__device__ inline float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 }  // namespace tessera::kernels

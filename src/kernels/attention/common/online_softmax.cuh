@@ -1,0 +1,63 @@
+// The online softmax of one lane's two rows of an accumulator tile (register_tile.cuh), in log2
+// units: for every tile of logits S (already transformed and masked to -inf),
+//   m' = max(m, rowmax S),  P = 2^(S log2_scale - m' log2_scale),  l' = l 2^((m - m') log2_scale) + rowsum P
+// and O is rescaled by the same factor before P V is added. A row that has seen no visible key
+// keeps m = -inf and uses an exponent offset of 0, so its P and l stay 0 (and its output is 0
+// with LSE -inf). A NaN logit is skipped by the max (fmaxf) but reaches P, l and so O and LSE.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/attention/common/log2_math.cuh"
+#include "kernels/attention/common/register_tile.cuh"
+
+namespace tessera::kernels {
+
+struct OnlineSoftmax {
+  float log2_scale;                     // the logits' scale times log2(e)
+  float max[2] = {-INFINITY, -INFINITY};  // per row, in logit units (whole rows)
+  float sum[2] = {0.f, 0.f};            // per row, this lane's partial sum of P
+
+  __device__ explicit OnlineSoftmax(float log2_scale_) : log2_scale(log2_scale_) {}
+
+  // Turns S into P in place and returns in `rescale` the factor for O (and is applied to the sums).
+  template <int kCols>
+  __device__ __forceinline__ void update(AccTile<kCols>& s, float (&rescale)[2]) {
+    float m[2] = {max[0], max[1]};
+    row_max(s, m);
+    float offset[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      offset[r] = m[r] == -INFINITY ? 0.f : m[r] * log2_scale;
+      rescale[r] = exp2_approx(max[r] * log2_scale - offset[r]);  // 1 if unmoved, 0 the first time
+      max[r] = m[r];
+      sum[r] *= rescale[r];
+    }
+    exp2_row(s, log2_scale, offset);
+    row_sum_partial(s, sum);
+  }
+
+  // The first tile of a row: nothing to rescale.
+  template <int kCols>
+  __device__ __forceinline__ void first(AccTile<kCols>& s) {
+    float rescale[2];
+    update(s, rescale);
+  }
+
+  // 1 / l for O (0 for a row with nothing visible) and the natural-log LSE of each row.
+  __device__ __forceinline__ void finish(float (&inv_sum)[2], float (&lse)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(sum[r]);
+      // Nothing visible gives l == 0; a NaN logit gives l = NaN (and max may stay -inf, since
+      // fmaxf skips NaN), which must reach O and LSE rather than read as empty.
+      const bool empty = l == 0.f;
+      inv_sum[r] = empty ? 0.f : 1.f / l;
+      lse[r] = empty ? -INFINITY : (max[r] * log2_scale + log2f(l)) * kLn2;
+    }
+  }
+};
+
+}  // namespace tessera::kernels

@@ -1,0 +1,61 @@
+// Tile shapes of the Hopper prefill family by head dim, and the shared-memory layout they imply.
+// One CTA = one producer warpgroup (TMA) + kConsumers consumer warpgroups of 64 query rows each;
+// K and V stream through a ring of kStages tiles of kBlockN keys. Shapes as measured on the H200
+// (notes/prefill_hopper.md): 
+//   hd64:  128 x 128, 2 consumers, 4 stages
+//   hd128: 128 x 128, 2 consumers, 2 stages
+//   hd256: 128 x 80,  2 consumers, 2 stages (Q 64 KB + 4 x 40 KB: the 227 KB opt-in limit)
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/tma_sm90.cuh"
+#include "kernels/common/wgmma_sm90.cuh"
+
+namespace tessera::kernels::sm90 {
+
+template <int kHeadDimT>
+struct PrefillSm90Config {
+  static constexpr int kHeadDim = kHeadDimT;
+  static constexpr int kConsumers = 2;                 // consumer warpgroups
+  static constexpr int kBlockM = 64 * kConsumers;      // query rows per tile
+  static constexpr int kBlockN = kHeadDim == 256 ? 80 : 128;  // keys per K / V tile
+  static constexpr int kStages = kHeadDim == 64 ? 4 : 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
+  static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+};
+
+// The dynamic shared memory of one CTA: the Q tile, the K and V rings and their barriers.
+template <typename T, typename Config>
+struct PrefillSm90Smem {
+  using QTile = Sw128Tile<T, Config::kBlockM, Config::kHeadDim>;
+  using KVTile = Sw128Tile<T, Config::kBlockN, Config::kHeadDim>;
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + kStages * KVTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * KVTile::kBytes;
+  struct Barriers {
+    Mbarrier q_full, q_empty;
+    Mbarrier k_full[kStages], k_empty[kStages];
+    Mbarrier v_full[kStages], v_empty[kStages];
+    Mbarrier v_zeroed[kStages];  // a partial V tile's rows past kv_len were zeroed (see the producer)
+  };
+  static constexpr int kAlignment = 1024;  // of the swizzled tiles
+  // Requested from the launch: the layout plus the slack that aligns the dynamic base.
+  static constexpr int kBytes = kBarrierOffset + int(sizeof(Barriers)) + kAlignment;
+
+  unsigned char* base;
+  __device__ explicit PrefillSm90Smem(unsigned char* raw)
+      : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kAlignment - 1) &
+                                              ~uintptr_t(kAlignment - 1))) {}
+  __device__ QTile q() const { return QTile{base + kQOffset}; }
+  __device__ KVTile k(int stage) const { return KVTile{base + kKOffset + stage * KVTile::kBytes}; }
+  __device__ KVTile v(int stage) const { return KVTile{base + kVOffset + stage * KVTile::kBytes}; }
+  __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
+};
+
+}  // namespace tessera::kernels::sm90

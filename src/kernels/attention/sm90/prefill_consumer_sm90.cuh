@@ -1,0 +1,179 @@
+// A consumer warpgroup of the Hopper prefill kernel: 64 query rows of a work tile against its KV
+// tiles, last to first (the tiles crossing the causal diagonal or kv_len come first, the window's
+// left edge last), then the epilogue.
+//
+// Per KV tile j: S = Q K_j^T (wgmma, both operands in shared memory), the logit transform and the
+// mask, the online softmax (register_tile.cuh / online_softmax.cuh), then O += P V_j with P taken
+// from the S accumulators as wgmma's register A operand and V read transposed. The loop overlaps
+// the softmax of tile j with the P V product of tile j - 1 (FA3's intra-warpgroup pipelining):
+//   issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1};  wait for S_j;  softmax(S_j) -> P_j, factors;
+//   wait for P V;  O *= factors
+// which needs S_j, P_{j-1} and O in registers at once.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/attention/common/logits.cuh"
+#include "kernels/attention/common/online_softmax.cuh"
+#include "kernels/attention/common/register_tile.cuh"
+#include "kernels/attention/sm90/prefill_config_sm90.cuh"
+#include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
+
+namespace tessera::kernels::sm90 {
+
+template <typename T, typename Config, typename Logits>
+struct PrefillConsumer {
+  static constexpr int kHeadDim = Config::kHeadDim, kBlockN = Config::kBlockN;
+  using Smem = PrefillSm90Smem<T, Config>;
+  using STile = AccTile<kBlockN>;           // this warp's 16 rows of S (and P, in fp32)
+  using OTile = AccTile<kHeadDim>;          // this warp's 16 rows of O
+  using PFragments = AFragments<T, kBlockN>;  // P in T, as the A operand of P V
+
+  const PrefillSm90Params& p;
+  const Smem& smem;
+  const Logits logits;
+  const int consumer;  // which 64 rows of the tile: [64 consumer, 64 consumer + 64)
+  const int warp;      // warp within the warpgroup: rows [16 warp, 16 warp + 16) of those
+  const int lane;
+  RingPosition<Config::kStages> ring;
+  uint32_t q_phase = 0;
+  uint32_t zeroed_phases = 0;  // bit s: parity of v_zeroed[s]'s next phase
+
+  __device__ PrefillConsumer(const PrefillSm90Params& params, const Smem& s, int consumer_index)
+      : p(params), smem(s), logits(params.base.scale, params.base.soft_cap), consumer(consumer_index),
+        warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32) {}
+
+  // One arrival per warp on a barrier counting kConsumers x 4 warps.
+  __device__ void release(Mbarrier& b) const {
+    if (lane == 0) b.arrive();
+  }
+
+  // S = Q K^T for the K tile in `stage` (between wgmma_fence and the wait; commits).
+  __device__ void issue_scores(STile& s, int stage) const {
+    const auto q = smem.q();
+    const auto k = smem.k(stage);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk)
+      wgmma_ss<T, kBlockN, gmma::Major::K>(q.k_major(64 * consumer, kk), k.k_major(0, kk), s, kk > 0);
+    wgmma_commit();
+  }
+  // O += P V for the V tile in `stage` (commits).
+  __device__ void issue_values(const PFragments& pf, OTile& o, int stage) const {
+    const auto v = smem.v(stage);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, kHeadDim, gmma::Major::MN>(pf.a[kk], v.mn_major(kk), o);
+    wgmma_commit();
+  }
+  // V of `stage` has landed (and, for a partial tile, been zeroed past kv_len).
+  __device__ void wait_values(const RingPosition<Config::kStages>& at, bool partial) {
+    auto& bar = smem.barriers();
+    bar.v_full[at.stage].wait(at.phase);
+    if (partial) {
+      bar.v_zeroed[at.stage].wait((zeroed_phases >> at.stage) & 1);
+      zeroed_phases ^= 1u << at.stage;
+    }
+  }
+
+  // Logits of keys [n0, n0 + kBlockN), -inf outside the band; only tiles crossing the band's edge
+  // pay for the per-element test.
+  __device__ void logits_and_mask(STile& s, const WorkTile& w, int n0) const {
+    if constexpr (!Logits::kIdentity) for_each(s, [&](float& x, int, int, int) { x = logits(x); });
+    const int warp_row0 = w.m0 + 64 * consumer + 16 * warp;
+    const int first_row = w.m0 + 64 * consumer;
+    const int last_row = min(first_row + 63, w.qo_len - 1);
+    if (!w.band.tile_crosses_edge(n0, kBlockN, first_row, last_row)) return;
+    const int g = lane / 4, t = lane % 4;
+    for_each(s, [&](float& x, int, int j, int e) {
+      x = w.band.visible(warp_row0 + STile::row(e, g), n0 + STile::col(j, e, t)) ? x : -INFINITY;
+    });
+  }
+
+  // O / l and LSE for this warp's rows of the request (rows past qo_len are not written).
+  __device__ void epilogue(OTile& o, const OnlineSoftmax& softmax, const WorkTile& w) const {
+    float inv_sum[2], lse[2];
+    softmax.finish(inv_sum, lse);
+    mul_row(o, inv_sum);
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = w.m0 + 64 * consumer + 16 * warp + g + 8 * r;
+      if (row >= w.qo_len) continue;
+      const int64_t q_row = int64_t(w.q_start) + row;
+      T* dst = static_cast<T*>(p.base.o) + q_row * p.base.o_stride_row + int64_t(w.head) * p.base.o_stride_head;
+#pragma unroll
+      for (int j = 0; j < OTile::kBlocks; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
+      if (p.base.lse != nullptr && t == 0)
+        p.base.lse[q_row * p.base.lse_stride_row + int64_t(w.head) * p.base.lse_stride_head] = lse[r];
+    }
+  }
+
+  __device__ void compute(const WorkTile& w) {
+    auto& bar = smem.barriers();
+    OTile o;
+    fill(o, 0.f);
+    OnlineSoftmax softmax(logits.log2_scale);
+    const int tiles = w.kv_tiles();
+    if (tiles > 0) {
+      bar.q_full.wait(q_phase);
+      q_phase ^= 1;
+      STile s;
+      PFragments pf;
+      int tile = w.end_kv_tile - 1;
+      // The first tile: S, softmax, P.
+      bar.k_full[ring.stage].wait(ring.phase);
+      fence_registers(s);
+      wgmma_fence();
+      issue_scores(s, ring.stage);
+      wgmma_wait<0>();
+      fence_registers(s);
+      release(bar.k_empty[ring.stage]);
+      if (tiles == 1) release(bar.q_empty);
+      logits_and_mask(s, w, tile * kBlockN);
+      softmax.first(s);
+      convert(s, pf);
+      RingPosition<Config::kStages> prev = ring;
+      bool prev_partial = (tile + 1) * kBlockN > w.kv_len;
+      ring.advance();
+      // The rest: S of this tile overlapped with P V of the previous one.
+      for (int i = 1; i < tiles; ++i) {
+        --tile;
+        bar.k_full[ring.stage].wait(ring.phase);
+        fence_registers(s);
+        fence_registers(o);
+        fence_registers(pf);
+        wgmma_fence();
+        issue_scores(s, ring.stage);
+        wait_values(prev, prev_partial);
+        issue_values(pf, o, prev.stage);
+        wgmma_wait<1>();
+        fence_registers(s);
+        release(bar.k_empty[ring.stage]);
+        if (i == tiles - 1) release(bar.q_empty);
+        logits_and_mask(s, w, tile * kBlockN);
+        float rescale[2];
+        softmax.update(s, rescale);
+        wgmma_wait<0>();
+        fence_registers(o);
+        fence_registers(pf);
+        release(bar.v_empty[prev.stage]);
+        mul_row(o, rescale);
+        convert(s, pf);
+        prev = ring;
+        prev_partial = false;
+        ring.advance();
+      }
+      wait_values(prev, prev_partial);
+      fence_registers(o);
+      fence_registers(pf);
+      wgmma_fence();
+      issue_values(pf, o, prev.stage);
+      wgmma_wait<0>();
+      fence_registers(o);
+      release(bar.v_empty[prev.stage]);
+    }
+    epilogue(o, softmax, w);
+  }
+};
+
+}  // namespace tessera::kernels::sm90

@@ -1,0 +1,104 @@
+// Hopper (sm_90a) prefill attention: TMA loads, wgmma products, warp specialisation.
+// A CTA is one producer warpgroup (one warp issues every TMA copy; the others exit at once) and
+// Config::kConsumers consumer warpgroups of 64 query rows each; Q, K and V tiles come into shared
+// memory through a ring of mbarrier-guarded stages; setmaxnreg moves the registers the producer
+// does not need to the consumers. The scheduler says which tiles a CTA computes (one, or a
+// persistent walk over the list). The parts: prefill_producer_sm90.cuh (loads),
+// prefill_consumer_sm90.cuh (mainloop, softmax, epilogue), tile_scheduler_sm90.cuh (the order),
+// prefill_config_sm90.cuh (shapes, shared memory).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "core/once_per_device.h"
+#include "kernels/attention/common/logits.cuh"
+#include "kernels/attention/sm90/prefill_config_sm90.cuh"
+#include "kernels/attention/sm90/prefill_consumer_sm90.cuh"
+#include "kernels/attention/sm90/prefill_producer_sm90.cuh"
+#include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
+#include "kernels/attention/sm90/tensor_map_sm90.h"
+
+namespace tessera::kernels::sm90 {
+
+template <typename T, typename Config, typename Logits, typename Scheduler>
+__global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
+  extern __shared__ unsigned char raw_smem[];
+  const PrefillSm90Smem<T, Config> smem(raw_smem);
+  constexpr int kConsumerWarps = 4 * Config::kConsumers;
+  if (threadIdx.x == 0) {
+    auto& bar = smem.barriers();
+    bar.q_full.init(1);
+    bar.q_empty.init(kConsumerWarps);
+    for (int s = 0; s < Config::kStages; ++s) {
+      bar.k_full[s].init(1);
+      bar.v_full[s].init(1);
+      bar.k_empty[s].init(kConsumerWarps);
+      bar.v_empty[s].init(kConsumerWarps);
+      bar.v_zeroed[s].init(1);
+    }
+    Mbarrier::fence_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    warpgroup_registers_decrease<Config::kProducerRegisters>();
+    if (threadIdx.x < 32) prefill_producer_warp<T, Config, Scheduler>(p, smem);
+  } else {
+    warpgroup_registers_increase<Config::kConsumerRegisters>();
+    PrefillConsumer<T, Config, Logits> consumer(p, smem, warpgroup - 1);
+    for (int position = Scheduler::first(); position < p.tiles; position = Scheduler::next(position)) {
+      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN>(p, position);
+      if (w.has_rows()) consumer.compute(w);
+    }
+  }
+}
+
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same<T, __nv_bfloat16>::value ? DType::kBF16 : DType::kFP16;
+}
+
+template <typename T, typename Config, typename Logits, typename Scheduler>
+void launch_prefill_sm90_variant(const PrefillSm90Params& params, int grid, cudaStream_t stream) {
+  constexpr int kSmemBytes = PrefillSm90Smem<T, Config>::kBytes;
+  auto kernel = prefill_sm90_kernel<T, Config, Logits, Scheduler>;
+  static tessera::detail::OncePerDevice smem_limit_raised;
+  smem_limit_raised([&] {
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  });
+  kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(params);
+}
+
+template <typename T, int kHeadDim>
+void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Schedule& schedule, int num_sms,
+                         cudaStream_t stream) {
+  using Config = PrefillSm90Config<kHeadDim>;
+  const int m_tiles = (base.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
+  if (m_tiles == 0 || base.batch_size == 0 || base.num_qo_heads == 0) return;
+  PrefillSm90Params params;
+  params.base = base;
+  params.m_tiles = m_tiles;
+  params.tiles = base.batch_size * base.num_qo_heads * m_tiles;  // < 2^31: checked by the dispatcher
+  params.order = schedule.order;
+  params.heavy_first = schedule.heavy_first;
+  const RaggedTensorMaps maps = ragged_tensor_maps(dtype_of<T>(), base, kHeadDim, Config::kBlockM, Config::kBlockN);
+  params.q_map = maps.q;
+  params.k_map = maps.k;
+  params.v_map = maps.v;
+  const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
+  const int grid = persistent ? std::min(params.tiles, num_sms) : params.tiles;
+  if (base.soft_cap > 0.f) {
+    if (persistent) launch_prefill_sm90_variant<T, Config, SoftCappedLogits, StaticPersistentScheduler>(params, grid, stream);
+    else launch_prefill_sm90_variant<T, Config, SoftCappedLogits, SingleTileScheduler>(params, grid, stream);
+  } else {
+    if (persistent) launch_prefill_sm90_variant<T, Config, PlainLogits, StaticPersistentScheduler>(params, grid, stream);
+    else launch_prefill_sm90_variant<T, Config, PlainLogits, SingleTileScheduler>(params, grid, stream);
+  }
+}
+
+}  // namespace tessera::kernels::sm90

@@ -1,0 +1,36 @@
+// The Hopper prefill family as the dispatcher sees it (host code, no CUDA types but the stream).
+#pragma once
+
+#include "kernels/attention/prefill_params.h"
+#include "tessera/dtype.h"
+
+namespace tessera::kernels::sm90 {
+
+// How the tile list (request, query head, query tile) is ordered and handed to CTAs
+// (tile_scheduler_sm90.cuh). The dispatcher chooses per problem; tests and benchmarks force one.
+enum class TileOrder : int {
+  kQueryTilesInner = 0,  // (request, head, query tile): a head's tiles together (L2 reuse of its K / V)
+  kQueryTilesOuter = 1,  // (query tile, request, head): one query tile of every head, then the next
+};
+enum class SchedulerKind : int {
+  kSingleTile = 0,        // one tile per CTA; the hardware starts CTAs in list order
+  kStaticPersistent = 1,  // one CTA per SM walks the list with stride gridDim.x
+};
+struct PrefillSm90Schedule {
+  SchedulerKind scheduler = SchedulerKind::kStaticPersistent;
+  TileOrder order = TileOrder::kQueryTilesInner;
+  bool heavy_first = false;  // query tiles from the last (causal: the most keys first)
+};
+
+// Whether the family was compiled for (dtype, head_dim) (the instantiation list; sm_90a only).
+bool prefill_sm90_compiled(DType dtype, int head_dim);
+// Shared memory one CTA of the family needs at head_dim (0 if not compiled).
+int prefill_sm90_smem_bytes(int head_dim);
+// Query rows of one tile at head_dim.
+int prefill_sm90_block_m(int head_dim);
+// Launches the family on an sm_90 GPU with num_sms SMs. Throws tessera::Error for a combination
+// that was not compiled or a tensor the copy engine cannot describe.
+void launch_prefill_sm90(DType dtype, int head_dim, const PrefillParams& params,
+                         const PrefillSm90Schedule& schedule, int num_sms, cudaStream_t stream);
+
+}  // namespace tessera::kernels::sm90

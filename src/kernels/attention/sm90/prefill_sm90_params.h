@@ -1,0 +1,23 @@
+// What the Hopper prefill kernel reads: the family-independent PrefillParams plus the TMA tensor
+// maps of Q, K and V and the tile list's shape and order (set by the launcher).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include "kernels/attention/prefill_params.h"
+#include "kernels/attention/sm90/prefill_sm90_launch.h"
+
+namespace tessera::kernels::sm90 {
+
+struct PrefillSm90Params {
+  CUtensorMap q_map;  // [total_q, num_qo_heads, head_dim], box 64 x 1 x kBlockM
+  CUtensorMap k_map;  // [total_kv, num_kv_heads, head_dim], box 64 x 1 x kBlockN
+  CUtensorMap v_map;
+  PrefillParams base;
+  int m_tiles = 0;       // query tiles of the longest request
+  int tiles = 0;         // list length: batch x heads x m_tiles
+  TileOrder order = TileOrder::kQueryTilesInner;
+  bool heavy_first = false;
+};
+
+}  // namespace tessera::kernels::sm90

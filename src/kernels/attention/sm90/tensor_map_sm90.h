@@ -1,0 +1,23 @@
+// TMA tensor maps (CUtensorMap) of the Hopper prefill family's ragged Q, K and V, encoded on the
+// host through the driver's cuTensorMapEncodeTiled (reached through cudart's driver entry point, so
+// the library does not link libcuda).
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/attention/prefill_params.h"
+#include "tessera/dtype.h"
+
+namespace tessera::kernels::sm90 {
+
+struct RaggedTensorMaps {
+  CUtensorMap q, k, v;
+};
+
+// 3-D maps over [rows, heads, head_dim] (innermost first: head_dim, heads, rows), 128-byte
+// swizzled boxes of 64 x 1 x box_rows; q's boxes are q_box_rows, k's and v's kv_box_rows.
+// Throws tessera::Error if the driver rejects a map (strides or addresses it cannot describe).
+RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
+                                    int kv_box_rows);
+
+}  // namespace tessera::kernels::sm90

@@ -1,0 +1,84 @@
+// Which (request, query head, query tile) a CTA of the Hopper prefill kernel computes, and in what
+// order. The work is a list of tiles in a linear order (TileOrder); a scheduler hands list
+// positions to CTAs:
+//   - SingleTileScheduler: one tile per CTA, grid = the list; the hardware starts CTAs roughly in
+//     list order as SMs free up (dynamic, longest-first when the list is sorted so).
+//   - StaticPersistentScheduler: one CTA per SM walks positions blockIdx.x, + gridDim.x, ...:
+//     a CTA's next tile loads (Q, the first K / V) while its previous one finishes, but the
+//     assignment is fixed, so balance relies on the order.
+// Both roles of a CTA (producer, consumers) walk the same sequence and decode the same WorkTile.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/attention/common/mask.cuh"
+#include "kernels/attention/sm90/prefill_sm90_params.h"
+
+namespace tessera::kernels::sm90 {
+
+// What one tile of the list covers: query rows [m0, m0 + kBlockM) of (request, head), against
+// the KV tiles [first_kv_tile, end_kv_tile) that meet the mask band of any of its rows.
+struct WorkTile {
+  int request, head, kv_head;
+  int m0;
+  int q_start, qo_len;
+  int kv_start, kv_len;
+  MaskBand band;
+  int first_kv_tile, end_kv_tile;
+
+  __device__ bool has_rows() const { return m0 < qo_len; }
+  __device__ int kv_tiles() const { return end_kv_tile - first_kv_tile; }
+};
+
+// position -> (request, head, m_tile). kHeadsInner: every (request, head)'s query tiles
+// consecutive (they share the head's K / V in L2); kHeavyFirst: the position's m_tile counts from
+// the last query tile (for causal masks, the tile with the most keys first).
+__device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int position, int& request,
+                                                int& head, int& m_tile) {
+  const int tiles = p.m_tiles;
+  if (p.order == TileOrder::kQueryTilesInner) {
+    int rest = position / tiles;
+    m_tile = position - rest * tiles;
+    head = rest % p.base.num_qo_heads;
+    request = rest / p.base.num_qo_heads;
+  } else {  // kQueryTilesOuter
+    const int pairs = p.base.batch_size * p.base.num_qo_heads;
+    m_tile = position / pairs;
+    const int rest = position - m_tile * pairs;
+    head = rest % p.base.num_qo_heads;
+    request = rest / p.base.num_qo_heads;
+  }
+  if (p.heavy_first) m_tile = tiles - 1 - m_tile;
+}
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
+  WorkTile w;
+  int m_tile;
+  decode_position(p, position, w.request, w.head, m_tile);
+  w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
+  w.m0 = m_tile * kBlockM;
+  w.q_start = p.base.qo_indptr[w.request];
+  w.qo_len = p.base.qo_indptr[w.request + 1] - w.q_start;
+  w.kv_start = p.base.kv_indptr[w.request];
+  w.kv_len = p.base.kv_indptr[w.request + 1] - w.kv_start;
+  w.band = MaskBand{w.qo_len, w.kv_len, w.kv_len - w.qo_len, p.base.causal, p.base.window_left};
+  const int last_row = min(w.m0 + kBlockM, w.qo_len) - 1;
+  const int n_begin = w.band.key_begin(w.m0);
+  const int n_end = w.band.key_end(last_row);
+  w.first_kv_tile = n_begin / kBlockN;
+  w.end_kv_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : w.first_kv_tile;
+  return w;
+}
+
+struct SingleTileScheduler {
+  __device__ static int first() { return blockIdx.x; }
+  __device__ static int next(int /*position*/) { return 1 << 30; }
+};
+
+struct StaticPersistentScheduler {
+  __device__ static int first() { return blockIdx.x; }
+  __device__ static int next(int position) { return position + gridDim.x; }
+};
+
+}  // namespace tessera::kernels::sm90

@@ -1,0 +1,104 @@
+// Shared-memory barriers and tensor copies of sm_90, as raw PTX (each wrapper is one instruction;
+// spelled out rather than taken from CUTLASS's barrier classes so that a kernel's pipeline reads as
+// the waits and arrivals it does):
+//   - mbarrier: a 64-bit barrier in shared memory that completes a phase once `count` arrivals and
+//     the expected transaction bytes (written by the copy engine) have arrived; a waiter names the
+//     phase it waits for by its parity.
+//   - TMA (cp.async.bulk.tensor): one thread copies a box of a tensor described by a CUtensorMap
+//     (host-encoded, passed as a __grid_constant__ kernel parameter) into shared memory, and the
+//     copy engine signals its bytes on an mbarrier. Coordinates are in elements, innermost first;
+//     parts of the box outside the tensor are zero-filled.
+//   - the proxy fence: shared memory written by ordinary stores and read next by the copy engine or
+//     the tensor cores (the async proxy) needs fence.proxy.async in the writing thread first.
+// Device code for sm_90 and newer only.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tessera::kernels::sm90 {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+struct Mbarrier {
+  uint64_t word;
+
+  // One thread initialises; fence_init() then makes the initialisation visible to the copy engine
+  // and (after a CTA barrier) to the other threads.
+  __device__ void init(uint32_t arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(&word)), "r"(arrivals));
+  }
+  __device__ static void fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+  __device__ void arrive() {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(&word)) : "memory");
+  }
+  // One arrival that also announces `bytes` of copies that will complete on this barrier.
+  __device__ void arrive_expect_tx(uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&word)), "r"(bytes)
+                 : "memory");
+  }
+  // Blocks until the phase of parity `phase` has completed. A barrier starts in phase 0, and the
+  // phase "before" it (parity 1) counts as complete: a producer's first wait on an empty slot
+  // passes at once.
+  __device__ void wait(uint32_t phase) {
+    const uint32_t addr = smem_u32(&word);
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(addr),
+        "r"(phase)
+        : "memory");
+  }
+};
+
+// The slot and phase of a ring of kStages buffers, advanced in the same order by the producer and
+// every consumer.
+template <int kStages>
+struct RingPosition {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// A 3-D box at (c0, c1, c2) of `map` into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(&bar->word)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Ordinary shared-memory writes of this thread become visible to later async-proxy reads
+// (tensor cores, copy engine) once the reader has synchronised with this thread.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Named barriers (1..15; 0 is __syncthreads') over `threads` threads in whole warps.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace tessera::kernels::sm90
