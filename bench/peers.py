@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Time PyTorch peers (cuDNN / FlashAttention-2 / FlexAttention SDPA, torch._grouped_mm, plain torch
-ops) and ceilings (copy, read, dense GEMM) on the cases in bench/cases/*.json, and write them in the
-results format shared with tessera's C++ benchmark (see docs/CONVENTIONS.md):
+ops), FlashInfer's batch prefill where it is installed, and ceilings (copy, read, dense GEMM) on the
+cases in bench/cases/*.json, and write them in the results format shared with tessera's C++
+benchmark (see docs/CONVENTIONS.md):
 
   {"commit", "gpu", "date", "records": [{"suite", "case", "metric", "tessera", "peers", "ceiling",
                                          "params", "notes"}]}
 
 Usage:
   python3 bench/peers.py --cases bench/cases --out RESULTS.json [--merge-into EXISTING.json]
-                         [--suites prefill,decode] [--commit SHA]
+                         [--suites prefill,decode] [--commit SHA] [--no-flex] [--no-flashinfer]
   python3 bench/peers.py --cases bench/cases --dry-run      # CPU only, does not import torch
 
 Timing: CUDA events around every call, after warm-up; the median of at least 20 calls (more while
@@ -18,6 +19,11 @@ longer than the kernel (small decode/append cases). Inputs are random (never zer
 input set is smaller than ROTATE_BYTES, several sets are rotated so that the L2 (60 MB on H200)
 does not hold them. Every peer runs inside try/except: a peer that fails records null and an error
 string in notes["<peer>_error"], and the others still run.
+
+FlashInfer (prefill suites; peer "flashinfer") is optional: where `import flashinfer` fails, the
+peer records null with the reason, and --no-flashinfer skips it. Its version, the prebuilt kernel
+modules it found (flashinfer/data/aot/) and the time of each head dim's first plan (a module load,
+or a JIT build) go to peers_env["flashinfer"].
 
 Units: ceilings "gemm*" are TFLOP/s, "copy*" and "read*" are TB/s (read + write both counted for
 copy). Peers use the metric of their suite.
@@ -52,12 +58,13 @@ DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 SUITES = {
     # required params, peers, ceilings measured once per run and attached to every record
     "prefill": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
-                    peers=["cudnn", "torch_flash", "flex"], ceilings=["gemm"]),
+                    peers=["cudnn", "torch_flash", "flex", "flashinfer"], ceilings=["gemm"]),
     "prefill_portable": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
-                             peers=["cudnn", "torch_flash", "flex"], ceilings=["gemm"]),
-    # Paged K/V; the peers read the same tokens from contiguous K/V (they have no paged prefill).
+                             peers=["cudnn", "torch_flash", "flex", "flashinfer"], ceilings=["gemm"]),
+    # Paged K/V; the SDPA peers read the same tokens from contiguous K/V (they have no paged
+    # prefill), flashinfer reads them from its own paged cache (same page size, layout, page order).
     "prefill_paged": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
-                          peers=["cudnn", "torch_flash"], ceilings=["gemm"]),
+                          peers=["cudnn", "torch_flash", "flashinfer"], ceilings=["gemm"]),
     "decode": dict(params=["batch", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
                    peers=["cudnn", "cudnn_stream", "torch_flash"], ceilings=["read", "copy"]),
     # moe_gemm's "gemm" ceiling is per case: one dense torch.mm of the same FLOPs (M=tokens, K, N)
@@ -107,12 +114,18 @@ def zipf_lengths(batch, mean, s, seed):
             break
         k += 1
     lengths = [cap if r < k else min(cap, max(1, math.floor(w[r] * scale + 0.5))) for r in range(batch)]
+    return shuffle(lengths, seed)
+
+
+def shuffle(values, seed):
+    """Fisher-Yates in place, as shuffle() in bench/bench_main.cpp: for i = n-1 .. 1, swap [i] with
+    [next() % (i + 1)], next() being splitmix64 seeded with `seed`. Returns values."""
     state = seed & M64
-    for i in range(batch - 1, 0, -1):
+    for i in range(len(values) - 1, 0, -1):
         state, x = splitmix64_next(state)
         j = x % (i + 1)
-        lengths[i], lengths[j] = lengths[j], lengths[i]
-    return lengths
+        values[i], values[j] = values[j], values[i]
+    return values
 
 
 def decode_lengths(p):
@@ -383,6 +396,142 @@ def peer_flex_prefill(sets, p, budget_s, compile_budget_s):
     return case_work("prefill", p) / t / 1e12, "torch.compile(flex_attention); first call %.1f s" % compile_s
 
 
+# FlashInfer (optional; installed from its published wheels where it runs): ragged prefill through
+# BatchPrefillWithRaggedKVCacheWrapper, paged prefill (prefill_paged) through
+# BatchPrefillWithPagedKVCacheWrapper. Its kernel modules come prebuilt from flashinfer/data/aot/
+# or are JIT-compiled on first use (20-80 s per head dim on the H200 machine).
+
+FLASHINFER = {"module": None, "error": None, "workspace": None, "planned": set(), "first_plan_s": {}, "failed": {}}
+FLASHINFER_WORKSPACE_BYTES = 128 * 2**20
+
+
+def flashinfer_module(args):
+    """Returns (flashinfer, None), or (None, why it is not measured); imports it once."""
+    if args.no_flashinfer:
+        return None, "skipped: --no-flashinfer"
+    if FLASHINFER["module"] is None and FLASHINFER["error"] is None:
+        try:
+            import flashinfer
+            FLASHINFER["workspace"] = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+            FLASHINFER["module"] = flashinfer
+        except Exception as e:  # not installed, or its import fails: the other peers still run
+            FLASHINFER["error"] = "unavailable: " + error_text(e)
+    return FLASHINFER["module"], FLASHINFER["error"]
+
+
+def flashinfer_env():
+    """What peers_env records of FlashInfer: version and prebuilt modules, or why it was not used."""
+    fi = FLASHINFER["module"]
+    if fi is None:
+        return FLASHINFER["error"]
+    env = {"version": getattr(fi, "__version__", "unknown"), "first_plan_s": FLASHINFER["first_plan_s"]}
+    try:
+        aot = fi.jit.env.FLASHINFER_AOT_DIR
+        env["aot_dir"] = str(aot)
+        env["aot_modules"] = sorted(os.listdir(aot)) if os.path.isdir(aot) else []
+        env["jit_dir"] = str(fi.jit.env.FLASHINFER_JIT_DIR)
+    except Exception as e:
+        env["aot_error"] = error_text(e)
+    return env
+
+
+def flashinfer_pages(p):
+    """Page table of a paged case, as bench_main.cpp's prefill_paged builds it: request i owns
+    ceil(seq / page_size) pages of a pool shuffled with shuffle(seed 7)."""
+    b, s, ps = p["batch"], p["seq"], p["page_size"]
+    per_req = (s + ps - 1) // ps
+    ids = shuffle(list(range(b * per_req)), 7)
+    return per_req, ids, s - (per_req - 1) * ps
+
+
+def flashinfer_paged_cache(k, per_req, ids, p):
+    """K or V [b, Hkv, seq, d] (an SDPA peer's input) written into pages [num_pages, P, Hkv, d]
+    (NHD) or [num_pages, Hkv, P, d] (HND), request i's pages at ids[i * per_req:(i + 1) * per_req]."""
+    b, h, s, d = k.shape
+    ps = p["page_size"]
+    hnd = p.get("layout", "NHD") == "HND"
+    pages = torch.zeros((b * per_req, h, ps, d) if hnd else (b * per_req, ps, h, d), device="cuda", dtype=k.dtype)
+    padded = F.pad(k, (0, 0, 0, per_req * ps - s))  # [b, h, per_req * P, d]
+    for i in range(b):
+        rows = padded[i].view(h, per_req, ps, d)
+        page_ids = torch.tensor(ids[i * per_req:(i + 1) * per_req], device="cuda", dtype=torch.long)
+        pages[page_ids] = rows.permute(1, 0, 2, 3) if hnd else rows.permute(1, 2, 0, 3)
+    return pages
+
+
+def peer_flashinfer_prefill(fi, sets, p, args):
+    """FlashInfer's batch prefill over the SDPA peers' inputs, copied once into its layouts: q
+    [b * seq, Hq, d]; K/V ragged [b * seq, Hkv, d] (NHD), or paged (prefill_paged: page_size,
+    layout and page order of tessera's benchmark). plan() once, run() timed; the output of
+    request 0 is checked against SDPA first."""
+    b, s, hq, hkv, d = p["batch"], p["seq"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    paged = "page_size" in p
+    key = (d, paged)
+    if key in FLASHINFER["failed"]:
+        raise RuntimeError("skipped: its first plan at head_dim %d failed: %s" % (d, FLASHINFER["failed"][key]))
+
+    def nhd(x):
+        return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
+
+    qo_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+    if paged:
+        per_req, ids, last = flashinfer_pages(p)
+        layout = p.get("layout", "NHD")
+        fi_sets = [(nhd(q), (flashinfer_paged_cache(k, per_req, ids, p), flashinfer_paged_cache(v, per_req, ids, p)))
+                   for q, k, v in sets]
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(FLASHINFER["workspace"], layout,
+                                                         backend=args.flashinfer_backend)
+        kv_indptr = torch.arange(b + 1, device="cuda", dtype=torch.int32) * per_req
+        kv_indices = torch.tensor(ids, device="cuda", dtype=torch.int32)
+        last_page_len = torch.full((b,), last, device="cuda", dtype=torch.int32)
+
+        def plan():
+            wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hkv, d, p["page_size"],
+                         causal=p["causal"], q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+        what = "BatchPrefillWithPagedKVCacheWrapper %s, page_size %d, shuffled pages" % (layout, p["page_size"])
+
+        def call(x):
+            return wrapper.run(x[0], x[1])
+    else:
+        fi_sets = [tuple(nhd(t) for t in x) for x in sets]
+        wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(FLASHINFER["workspace"], "NHD",
+                                                          backend=args.flashinfer_backend)
+
+        def plan():
+            wrapper.plan(qo_indptr, qo_indptr, hq, hkv, d, causal=p["causal"], q_data_type=torch.bfloat16)
+
+        what = "BatchPrefillWithRaggedKVCacheWrapper NHD"
+
+        def call(x):
+            return wrapper.run(x[0], x[1], x[2])
+
+    t0 = time.perf_counter()
+    first = key not in FLASHINFER["planned"]
+    try:
+        plan()  # the first plan of a head dim loads (or JIT-builds) its kernel module
+        torch.cuda.synchronize()
+    except Exception as e:
+        if first:
+            FLASHINFER["failed"][key] = error_text(e)[:200]
+        raise
+    plan_s = time.perf_counter() - t0
+    if first:
+        FLASHINFER["planned"].add(key)
+        FLASHINFER["first_plan_s"]["hd%d%s" % (d, "_paged" if paged else "")] = round(plan_s, 1)
+    q, k, v = sets[0]
+    ref = F.scaled_dot_product_attention(q[:1], k[:1], v[:1], is_causal=p["causal"], enable_gqa=hq != hkv)
+    err = (call(fi_sets[0])[:s].float() - ref[0].transpose(0, 1).float()).abs().max().item()
+    del ref
+    if not err < 3e-2:
+        raise RuntimeError("flashinfer output differs from SDPA on request 0: max abs error %.3g" % err)
+    t = time_cuda(call, fi_sets, args.time_per_peer)
+    return case_work("prefill", p) / t / 1e12, (
+        "flashinfer %s %s, backend %s (asked %s); plan once, run() timed; plan %.1f s%s; max abs err vs SDPA %.2g" % (
+            getattr(fi, "__version__", "?"), what, getattr(wrapper, "_backend", "?"), args.flashinfer_backend,
+            plan_s, " (module load or JIT)" if first else "", err))
+
+
 PREFILL_CACHE = {}  # prefill and prefill_portable share cases: measure the peers once
 
 
@@ -403,6 +552,12 @@ def run_prefill(p, args):
         notes["flex_error"] = "skipped: --no-flex"
     else:
         measure("flex", lambda: peer_flex_prefill(sets, p, args.time_per_peer, args.flex_budget), peers, notes)
+    fi, why_not = flashinfer_module(args)
+    if fi is None:
+        peers["flashinfer"] = None
+        notes["flashinfer_error"] = why_not
+    else:
+        measure("flashinfer", lambda: peer_flashinfer_prefill(fi, sets, p, args), peers, notes)
     PREFILL_CACHE[key] = (dict(peers), dict(notes))
     return peers, notes, {}
 
@@ -915,6 +1070,9 @@ def parse_args(argv=None):
     ap.add_argument("--flex-budget", type=float, default=75.0,
                     help="seconds of flex_attention compilation after which flex is skipped (default 75)")
     ap.add_argument("--no-flex", action="store_true", help="skip the flex peer")
+    ap.add_argument("--no-flashinfer", action="store_true", help="skip the flashinfer peer (prefill suites)")
+    ap.add_argument("--flashinfer-backend", default="auto", choices=["auto", "fa2", "fa3"],
+                    help="FlashInfer prefill backend (default auto: fa3, its FlashAttention-3 template, on sm_90)")
     args = ap.parse_args(argv)
     args.suites = [s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else None
     if not args.dry_run and not args.out:
@@ -949,6 +1107,8 @@ def main(argv=None):
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
            "cudnn": str(torch.backends.cudnn.version()), "clocks_start": gpu_clocks()}
     records = run_all(suites, args)
+    if FLASHINFER["module"] is not None or FLASHINFER["error"] is not None:
+        env["flashinfer"] = flashinfer_env()
     env["clocks_end"] = gpu_clocks()
     env["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env["gpu"] = torch.cuda.get_device_name()
