@@ -230,7 +230,8 @@ struct PrefillProblem {
 };
 
 // prefill: FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
-//   [path=portable|hopper] forces a family; [scheduler= order= heavy_first=] the Hopper schedule.
+//   [path=portable|hopper] forces a family; [scheduler= order=inner|outer|mirror heavy_first= run_length=]
+//   the Hopper schedule.
 int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
@@ -250,8 +251,11 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   if (force_schedule) {
     schedule.scheduler = arg(a, "scheduler") == "single" ? kernels::sm90::SchedulerKind::kSingleTile
                                                          : kernels::sm90::SchedulerKind::kStaticPersistent;
-    schedule.order = arg(a, "order", "inner") == "outer" ? kernels::sm90::TileOrder::kQueryTilesOuter
-                                                         : kernels::sm90::TileOrder::kQueryTilesInner;
+    const std::string order = arg(a, "order", "inner");
+    schedule.order = order == "outer"    ? kernels::sm90::TileOrder::kQueryTilesOuter
+                     : order == "mirror" ? kernels::sm90::TileOrder::kMirroredPairs
+                                         : kernels::sm90::TileOrder::kQueryTilesInner;
+    schedule.run_length = static_cast<int>(arg_int(a, "run_length", order == "mirror" ? "2" : "1"));
     schedule.heavy_first = arg(a, "heavy_first", "false") == "true";
     dispatch::force_prefill_sm90_schedule(&schedule);
   }

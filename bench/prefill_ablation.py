@@ -11,6 +11,7 @@ Variants (tessera_bench prefill parameters):
   hopper                  the Hopper family forced, its default schedule
   persistent_inner        Hopper, one CTA per SM, each head's query tiles together
   persistent_outer_heavy  Hopper, one CTA per SM, the last query tile of every head first
+  persistent_mirror       Hopper, one CTA per SM taking a query tile and its mirror (last + first, ...)
   single_inner            Hopper, one tile per CTA, each head's query tiles together
   single_outer_heavy      Hopper, one tile per CTA, the last query tile of every head first
 Extra `key=value` arguments after `--` go to every tessera_bench call.
@@ -27,6 +28,7 @@ VARIANTS = {
     "persistent_inner": ["path=hopper", "scheduler=persistent", "order=inner", "heavy_first=false"],
     "persistent_outer_heavy": ["path=hopper", "scheduler=persistent", "order=outer", "heavy_first=true"],
     "persistent_inner_heavy": ["path=hopper", "scheduler=persistent", "order=inner", "heavy_first=true"],
+    "persistent_mirror": ["path=hopper", "scheduler=persistent", "order=mirror", "run_length=2"],
     "single_inner": ["path=hopper", "scheduler=single", "order=inner", "heavy_first=false"],
     "single_outer_heavy": ["path=hopper", "scheduler=single", "order=outer", "heavy_first=true"],
 }

@@ -90,7 +90,8 @@ namespace sm90 {
 #define TESSERA_DECLARE_PREFILL_SM90(HD)                                                                   \
   void launch_prefill_sm90_hd##HD(DType dtype, const PrefillParams& p, const PrefillSm90Schedule& schedule, \
                                   int num_sms, cudaStream_t stream);                                        \
-  int prefill_sm90_smem_bytes_hd##HD();
+  int prefill_sm90_smem_bytes_hd##HD();                                                                    \
+  int prefill_sm90_block_m_hd##HD();
 #if TESSERA_INST_HD64
 TESSERA_DECLARE_PREFILL_SM90(64)
 #endif
@@ -122,7 +123,20 @@ int prefill_sm90_smem_bytes(int head_dim) {
   }
 }
 
-int prefill_sm90_block_m(int /*head_dim*/) { return 128; }  // PrefillSm90Config::kBlockM at every head dim
+int prefill_sm90_block_m(int head_dim) {
+  switch (head_dim) {
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD64
+    case 64: return prefill_sm90_block_m_hd64();
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128
+    case 128: return prefill_sm90_block_m_hd128();
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD256
+    case 256: return prefill_sm90_block_m_hd256();
+#endif
+    default: return 128;
+  }
+}
 
 void launch_prefill_sm90(DType dtype, int head_dim, const PrefillParams& params, const PrefillSm90Schedule& schedule,
                          int num_sms, cudaStream_t stream) {

@@ -353,6 +353,11 @@ TEST(GpuPrefillHopper, EverySchedule) {
         schedules.push_back(schedule);
       }
     }
+    kernels::sm90::PrefillSm90Schedule mirrored;  // a query tile and its mirror per turn
+    mirrored.scheduler = scheduler;
+    mirrored.order = kernels::sm90::TileOrder::kMirroredPairs;
+    mirrored.run_length = 2;
+    schedules.push_back(mirrored);
   }
   for (int hd : dispatch::compiled_prefill_head_dims()) {
     const std::string why = hopper_unavailable(DType::kBF16, hd);

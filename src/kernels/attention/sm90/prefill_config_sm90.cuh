@@ -14,13 +14,36 @@
 
 namespace tessera::kernels::sm90 {
 
+// Ablation switches (notes/prefill_hopper.md): builds of the benchmark with other values time the
+// alternatives against the defaults in one run. Not for production builds.
+#ifndef TESSERA_SM90_PINGPONG
+#define TESSERA_SM90_PINGPONG 0
+#endif
+#ifndef TESSERA_SM90_HD128_BLOCK_N
+#define TESSERA_SM90_HD128_BLOCK_N 128
+#endif
+#ifndef TESSERA_SM90_HD64_CONSUMERS
+#define TESSERA_SM90_HD64_CONSUMERS 2
+#endif
+#ifndef TESSERA_SM90_HD128_STAGES
+#define TESSERA_SM90_HD128_STAGES 2
+#endif
+
 template <int kHeadDimT>
 struct PrefillSm90Config {
   static constexpr int kHeadDim = kHeadDimT;
-  static constexpr int kConsumers = 2;                 // consumer warpgroups
+  static constexpr int kConsumers = kHeadDim == 64 ? TESSERA_SM90_HD64_CONSUMERS : 2;  // consumer warpgroups
   static constexpr int kBlockM = 64 * kConsumers;      // query rows per tile
-  static constexpr int kBlockN = kHeadDim == 256 ? 80 : 128;  // keys per K / V tile
-  static constexpr int kStages = kHeadDim == 64 ? 4 : 2;
+  static constexpr int kBlockN = kHeadDim == 256 ? 80 : kHeadDim == 128 ? TESSERA_SM90_HD128_BLOCK_N : 128;  // keys per K / V tile
+  static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? TESSERA_SM90_HD128_STAGES : 2;
+  // The two consumer warpgroups take turns issuing their products (FA3's ping-pong): while one
+  // runs its softmax the other has the tensor cores. Two named barriers pass the turn. Off: with
+  // the softmax already overlapped inside each warpgroup it measured 0.71x at hd128 8K (447 vs
+  // 625 TFLOP/s, same run; notes/prefill_hopper.md v1).
+  static constexpr bool kPingPong = TESSERA_SM90_PINGPONG != 0 && kConsumers == 2;
+  // Q buffers: with two, the next work tile's Q loads during the whole of the current tile, not
+  // only its last P V (hd256 has no room: Q is 64 KB there).
+  static constexpr int kQStages = kHeadDim == 256 ? 1 : 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
@@ -34,12 +57,13 @@ struct PrefillSm90Smem {
   using QTile = Sw128Tile<T, Config::kBlockM, Config::kHeadDim>;
   using KVTile = Sw128Tile<T, Config::kBlockN, Config::kHeadDim>;
   static constexpr int kStages = Config::kStages;
+  static constexpr int kQStages = Config::kQStages;
   static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kKOffset = kQOffset + kQStages * QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KVTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * KVTile::kBytes;
   struct Barriers {
-    Mbarrier q_full, q_empty;
+    Mbarrier q_full[kQStages], q_empty[kQStages];
     Mbarrier k_full[kStages], k_empty[kStages];
     Mbarrier v_full[kStages], v_empty[kStages];
     Mbarrier v_zeroed[kStages];  // a partial V tile's rows past kv_len were zeroed (see the producer)
@@ -52,7 +76,7 @@ struct PrefillSm90Smem {
   __device__ explicit PrefillSm90Smem(unsigned char* raw)
       : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kAlignment - 1) &
                                               ~uintptr_t(kAlignment - 1))) {}
-  __device__ QTile q() const { return QTile{base + kQOffset}; }
+  __device__ QTile q(int slot) const { return QTile{base + kQOffset + slot * QTile::kBytes}; }
   __device__ KVTile k(int stage) const { return KVTile{base + kKOffset + stage * KVTile::kBytes}; }
   __device__ KVTile v(int stage) const { return KVTile{base + kVOffset + stage * KVTile::kBytes}; }
   __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }

@@ -36,12 +36,31 @@ struct PrefillConsumer {
   const int warp;      // warp within the warpgroup: rows [16 warp, 16 warp + 16) of those
   const int lane;
   RingPosition<Config::kStages> ring;
-  uint32_t q_phase = 0;
+  RingPosition<Config::kQStages> q_ring;
+  int q_slot = 0;  // the Q buffer of the work tile being computed
   uint32_t zeroed_phases = 0;  // bit s: parity of v_zeroed[s]'s next phase
 
   __device__ PrefillConsumer(const PrefillSm90Params& params, const Smem& s, int consumer_index)
       : p(params), smem(s), logits(params.base.scale, params.base.soft_cap), consumer(consumer_index),
         warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32) {}
+
+  // Ping-pong (Config::kPingPong): consumer c issues its products only on its turn, named barrier
+  // kTurnBarrier + c over both warpgroups, and hands the turn to the other after issuing.
+  static constexpr int kTurnBarrier = 1;
+  __device__ void take_turn() const {
+    if constexpr (Config::kPingPong) named_barrier_sync(kTurnBarrier + consumer, 256);
+  }
+  __device__ void pass_turn() const {
+    if constexpr (Config::kPingPong) named_barrier_arrive(kTurnBarrier + (1 - consumer), 256);
+  }
+  // Consumer 0 takes the first turn: consumer 1 starts by handing it over; at the end consumer 0
+  // takes the turn consumer 1 passed last, so no barrier is left with arrivals pending.
+  __device__ void start_turns() const {
+    if (consumer == 1) pass_turn();
+  }
+  __device__ void finish_turns() const {
+    if (consumer == 0) take_turn();
+  }
 
   // One arrival per warp on a barrier counting kConsumers x 4 warps.
   __device__ void release(Mbarrier& b) const {
@@ -50,7 +69,7 @@ struct PrefillConsumer {
 
   // S = Q K^T for the K tile in `stage` (between wgmma_fence and the wait; commits).
   __device__ void issue_scores(STile& s, int stage) const {
-    const auto q = smem.q();
+    const auto q = smem.q(q_slot);
     const auto k = smem.k(stage);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk)
@@ -115,20 +134,23 @@ struct PrefillConsumer {
     OnlineSoftmax softmax(logits.log2_scale);
     const int tiles = w.kv_tiles();
     if (tiles > 0) {
-      bar.q_full.wait(q_phase);
-      q_phase ^= 1;
+      q_slot = q_ring.stage;
+      bar.q_full[q_slot].wait(q_ring.phase);
+      q_ring.advance();
       STile s;
       PFragments pf;
       int tile = w.end_kv_tile - 1;
       // The first tile: S, softmax, P.
       bar.k_full[ring.stage].wait(ring.phase);
       fence_registers(s);
+      take_turn();
       wgmma_fence();
       issue_scores(s, ring.stage);
+      pass_turn();
       wgmma_wait<0>();
       fence_registers(s);
       release(bar.k_empty[ring.stage]);
-      if (tiles == 1) release(bar.q_empty);
+      if (tiles == 1) release(bar.q_empty[q_slot]);
       logits_and_mask(s, w, tile * kBlockN);
       softmax.first(s);
       convert(s, pf);
@@ -142,14 +164,16 @@ struct PrefillConsumer {
         fence_registers(s);
         fence_registers(o);
         fence_registers(pf);
+        take_turn();
         wgmma_fence();
         issue_scores(s, ring.stage);
         wait_values(prev, prev_partial);
         issue_values(pf, o, prev.stage);
+        pass_turn();
         wgmma_wait<1>();
         fence_registers(s);
         release(bar.k_empty[ring.stage]);
-        if (i == tiles - 1) release(bar.q_empty);
+        if (i == tiles - 1) release(bar.q_empty[q_slot]);
         logits_and_mask(s, w, tile * kBlockN);
         float rescale[2];
         softmax.update(s, rescale);
@@ -166,8 +190,10 @@ struct PrefillConsumer {
       wait_values(prev, prev_partial);
       fence_registers(o);
       fence_registers(pf);
+      take_turn();
       wgmma_fence();
       issue_values(pf, o, prev.stage);
+      pass_turn();
       wgmma_wait<0>();
       fence_registers(o);
       release(bar.v_empty[prev.stage]);

@@ -25,7 +25,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
   const int lane = threadIdx.x % 32;
   auto& bar = smem.barriers();
   RingPosition<Config::kStages> ring;
-  uint32_t q_phase = 0;
+  RingPosition<Config::kQStages> q_ring;
 
   if (lane == 0) {
     prefetch_tensor_map(&p.q_map);
@@ -49,15 +49,16 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     pending.stage = -1;
   };
 
-  for (int position = Scheduler::first(); position < p.tiles; position = Scheduler::next(position)) {
+  for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
     const WorkTile w = make_work_tile<kBlockM, kBlockN>(p, position);
     if (!w.has_rows() || w.kv_tiles() == 0) continue;
-    bar.q_empty.wait(q_phase ^ 1);
+    const int q_slot = q_ring.stage;
+    bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
     if (lane == 0) {
-      bar.q_full.arrive_expect_tx(Smem::QTile::kBytes);
-      smem.q().load(&p.q_map, &bar.q_full, w.head, w.q_start + w.m0);
+      bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
+      smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.m0);
     }
-    q_phase ^= 1;
+    q_ring.advance();
     for (int tile = w.end_kv_tile - 1; tile >= w.first_kv_tile; --tile) {
       const int n0 = tile * kBlockN;
       const int s = ring.stage;

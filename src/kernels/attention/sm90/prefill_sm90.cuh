@@ -31,8 +31,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
   constexpr int kConsumerWarps = 4 * Config::kConsumers;
   if (threadIdx.x == 0) {
     auto& bar = smem.barriers();
-    bar.q_full.init(1);
-    bar.q_empty.init(kConsumerWarps);
+    for (int s = 0; s < Config::kQStages; ++s) {
+      bar.q_full[s].init(1);
+      bar.q_empty[s].init(kConsumerWarps);
+    }
     for (int s = 0; s < Config::kStages; ++s) {
       bar.k_full[s].init(1);
       bar.v_full[s].init(1);
@@ -51,10 +53,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
   } else {
     warpgroup_registers_increase<Config::kConsumerRegisters>();
     PrefillConsumer<T, Config, Logits> consumer(p, smem, warpgroup - 1);
-    for (int position = Scheduler::first(); position < p.tiles; position = Scheduler::next(position)) {
+    consumer.start_turns();
+    for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
       const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN>(p, position);
       if (w.has_rows()) consumer.compute(w);
     }
+    consumer.finish_turns();
   }
 }
 
@@ -86,12 +90,14 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   params.tiles = base.batch_size * base.num_qo_heads * m_tiles;  // < 2^31: checked by the dispatcher
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
+  params.run_length = std::max(1, schedule.run_length);
   const RaggedTensorMaps maps = ragged_tensor_maps(dtype_of<T>(), base, kHeadDim, Config::kBlockM, Config::kBlockN);
   params.q_map = maps.q;
   params.k_map = maps.k;
   params.v_map = maps.v;
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
-  const int grid = persistent ? std::min(params.tiles, num_sms) : params.tiles;
+  const int runs = (params.tiles + params.run_length - 1) / params.run_length;
+  const int grid = persistent ? std::min(runs, num_sms) : params.tiles;
   if (base.soft_cap > 0.f) {
     if (persistent) launch_prefill_sm90_variant<T, Config, SoftCappedLogits, StaticPersistentScheduler>(params, grid, stream);
     else launch_prefill_sm90_variant<T, Config, SoftCappedLogits, SingleTileScheduler>(params, grid, stream);

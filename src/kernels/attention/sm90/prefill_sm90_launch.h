@@ -11,6 +11,7 @@ namespace tessera::kernels::sm90 {
 enum class TileOrder : int {
   kQueryTilesInner = 0,  // (request, head, query tile): a head's tiles together (L2 reuse of its K / V)
   kQueryTilesOuter = 1,  // (query tile, request, head): one query tile of every head, then the next
+  kMirroredPairs = 2,    // as kQueryTilesInner, a head's tiles as last, first, second last, second, ...
 };
 enum class SchedulerKind : int {
   kSingleTile = 0,        // one tile per CTA; the hardware starts CTAs in list order
@@ -20,6 +21,7 @@ struct PrefillSm90Schedule {
   SchedulerKind scheduler = SchedulerKind::kStaticPersistent;
   TileOrder order = TileOrder::kQueryTilesInner;
   bool heavy_first = false;  // query tiles from the last (causal: the most keys first)
+  int run_length = 1;        // persistent: consecutive list positions per CTA turn (2 with kMirroredPairs)
 };
 
 // Whether the family was compiled for (dtype, head_dim) (the instantiation list; sm_90a only).

@@ -18,6 +18,7 @@ struct PrefillSm90Params {
   int tiles = 0;         // list length: batch x heads x m_tiles
   TileOrder order = TileOrder::kQueryTilesInner;
   bool heavy_first = false;
+  int run_length = 1;
 };
 
 }  // namespace tessera::kernels::sm90

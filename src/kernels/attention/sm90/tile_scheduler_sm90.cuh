@@ -36,11 +36,13 @@ struct WorkTile {
 __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int position, int& request,
                                                 int& head, int& m_tile) {
   const int tiles = p.m_tiles;
-  if (p.order == TileOrder::kQueryTilesInner) {
+  if (p.order == TileOrder::kQueryTilesInner || p.order == TileOrder::kMirroredPairs) {
     int rest = position / tiles;
     m_tile = position - rest * tiles;
     head = rest % p.base.num_qo_heads;
     request = rest / p.base.num_qo_heads;
+    // The last tile, the first, the second last, the second, ...
+    if (p.order == TileOrder::kMirroredPairs) m_tile = m_tile % 2 == 0 ? tiles - 1 - m_tile / 2 : m_tile / 2;
   } else {  // kQueryTilesOuter
     const int pairs = p.base.batch_size * p.base.num_qo_heads;
     m_tile = position / pairs;
@@ -48,7 +50,7 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
     head = rest % p.base.num_qo_heads;
     request = rest / p.base.num_qo_heads;
   }
-  if (p.heavy_first) m_tile = tiles - 1 - m_tile;
+  if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
 template <int kBlockM, int kBlockN>
@@ -72,13 +74,18 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
 }
 
 struct SingleTileScheduler {
-  __device__ static int first() { return blockIdx.x; }
-  __device__ static int next(int /*position*/) { return 1 << 30; }
+  __device__ static int first(const PrefillSm90Params& /*p*/) { return blockIdx.x; }
+  __device__ static int next(const PrefillSm90Params& /*p*/, int /*position*/) { return 1 << 30; }
 };
 
+// CTA b takes positions in runs of p.run_length: [b r, b r + r), then gridDim.x r further on. With
+// kMirroredPairs and runs of 2, a CTA's two tiles of a run are a query tile and its mirror, whose
+// causal costs add up to the same for every pair.
 struct StaticPersistentScheduler {
-  __device__ static int first() { return blockIdx.x; }
-  __device__ static int next(int position) { return position + gridDim.x; }
+  __device__ static int first(const PrefillSm90Params& p) { return blockIdx.x * p.run_length; }
+  __device__ static int next(const PrefillSm90Params& p, int position) {
+    return (position + 1) % p.run_length != 0 ? position + 1 : position + 1 + (gridDim.x - 1) * p.run_length;
+  }
 };
 
 }  // namespace tessera::kernels::sm90
