@@ -41,9 +41,9 @@ struct PrefillSm90Config {
   // the softmax already overlapped inside each warpgroup it measured 0.71x at hd128 8K (447 vs
   // 625 TFLOP/s, same run; notes/prefill_hopper.md v1).
   static constexpr bool kPingPong = TESSERA_SM90_PINGPONG != 0 && kConsumers == 2;
-  // Q buffers: with two, the next work tile's Q loads during the whole of the current tile, not
-  // only its last P V (hd256 has no room: Q is 64 KB there).
-  static constexpr int kQStages = kHeadDim == 256 ? 1 : 2;
+  // Q buffers. Two (the next work tile's Q loading during the whole current tile, not only its
+  // last P V) measured 0.89x at hd128 (8K: 556 vs 625 TFLOP/s, 2K 516 vs 576; notes v2), so one.
+  static constexpr int kQStages = 1;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
