@@ -250,6 +250,19 @@ void bind_memory(nb::module_& m) {
       "(DType, on a CUDA device, device id, shape) of a tensor, as the bindings read it; "
       "tessera.Error naming `entry` and `arg` when they cannot.");
   m.def(
+      "view_description",
+      [](nb::handle x, nb::handle v_pages, nb::handle layout) {
+        ArgConverter conv("view_description");
+        if (layout.is_none()) return nb::make_tuple(conv.tensor(x, "x").describe());
+        const PagedKVCache c = conv.paged_cache(x, v_pages, parse_layout(layout, "view_description", "layout"));
+        const auto offset = reinterpret_cast<uintptr_t>(c.v_pages.data) - reinterpret_cast<uintptr_t>(c.k_pages.data);
+        return nb::make_tuple(c.k_pages.describe(), c.v_pages.describe(), offset);
+      },
+      "x"_a, "v_pages"_a.none() = nb::none(), "layout"_a.none() = nb::none(),
+      "The TensorView(s) the bindings make of a tensor, as text (shape, dtype, strides, device); "
+      "with a layout, of a paged cache (k_pages, v_pages or a combined one), with V's byte offset "
+      "from K. For tests and debugging.");
+  m.def(
       "copy_async",
       [](nb::handle dst, nb::handle src, uintptr_t stream) {
         ArgConverter conv("copy_async");

@@ -232,6 +232,10 @@ NB_MODULE(_tessera, m) {
   m.doc() = "tessera's C++ library (the extension behind the tessera package).";
   m.attr("__version__") = tessera::version();
   nb::exception<tessera::Error>(m, "Error", PyExc_ValueError);
+  m.attr("Error").attr("__doc__") =
+      "A rejected argument or a CUDA failure (tessera::Error): the message names the entry point, the "
+      "argument and the rule, e.g. \"tessera::merge_state: argument 's_a': dtype must be fp32, got bf16\". "
+      "Nothing is written when a call raises it during validation.";
   bind_enums(m);
   bind_device(m);
   bind_prefill(m);

@@ -139,7 +139,7 @@ def to_host(x: Any, stream: int) -> Any:
     return host
 
 
-def to_device(x: Any, like: Any, stream: int) -> Any:
+def to_device(x: Any, like: Any, stream: int, entry: str = "tensor_info", like_name: str = "x") -> Any:
     """A device copy of a host int32 array on `like`'s device (asynchronous on `stream`; the
     source may be reused as soon as this returns)."""
     if is_torch(like):
@@ -148,7 +148,7 @@ def to_device(x: Any, like: Any, stream: int) -> Any:
             x = torch.from_numpy(np.ascontiguousarray(x))
         return x.to(like.device, non_blocking=True)
     dtype, _, _, shape = describe(x)
-    _, on_cuda, device, _ = describe(like)
+    _, on_cuda, device, _ = describe(like, entry, like_name)
     if dtype != _ext.DType.INT32 or not on_cuda:
         return x  # the binding reports the dtype or device rule
     dev = _ext.empty(list(shape), dtype, device)
@@ -157,7 +157,7 @@ def to_device(x: Any, like: Any, stream: int) -> Any:
 
 
 def index_pair(entry: str, name: str, given: Any, host: Optional[Any], like: Any,
-               stream: int) -> Tuple[Any, Any]:
+               stream: int, like_name: str = "q") -> Tuple[Any, Any]:
     """(device array, host copy) of an index array given on either side.
 
     - `given` on the device and `host` given: both as they are (the host copy must hold the same
@@ -175,4 +175,4 @@ def index_pair(entry: str, name: str, given: Any, host: Optional[Any], like: Any
     if host is not None:
         fail(entry, "host_" + name, "was given but '%s' is on the host too: pass the device array as "
              "'%s' (or only the host one)" % (name, name))
-    return to_device(given, like, stream), given
+    return to_device(given, like, stream, entry, like_name), given

@@ -29,10 +29,10 @@ def append_paged_kv(k_pages: Any, v_pages: Optional[Any], kv_indptr: Any, kv_ind
     like = k_new
     torch_op = _ops.use_torch_op(like)
     s = -1 if torch_op else T.resolve_stream(stream, like)
-    indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, like, s)
-    indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, like, s)
-    last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, like, s)
-    append, append_host = T.index_pair(entry, "append_indptr", append_indptr, host_append_indptr, like, s)
+    indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, like, s, "k_new")
+    indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, like, s, "k_new")
+    last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, like, s, "k_new")
+    append, append_host = T.index_pair(entry, "append_indptr", append_indptr, host_append_indptr, like, s, "k_new")
     if torch_op:
         _ops.torch_ops().append_paged_kv(k_pages, v_pages, layout, indptr, indices, last, indptr_host,
                                         indices_host, last_host, append, append_host, k_new, v_new,
