@@ -10,13 +10,14 @@
 #   python3 -m pytest python/tests                                      # from a checkout of the same commit
 set -euo pipefail
 out=${1:?usage: scripts/build_wheel.sh OUTDIR [PYTHON]}
+is_312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }
 py=${2:-}
 if [ -z "$py" ]; then
-  py=$(command -v python3.12 || true)
-  [ -z "$py" ] && [ -x "$HOME/.pyenv/versions/3.12.1/bin/python3" ] && py=$HOME/.pyenv/versions/3.12.1/bin/python3
+  for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3; do
+    if is_312 "$candidate"; then py=$candidate; break; fi
+  done
 fi
-[ -n "$py" ] || { echo "build_wheel: no python3.12 found; pass one as the second argument" >&2; exit 1; }
-"$py" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' || { echo "build_wheel: $py is not Python >= 3.12" >&2; exit 1; }
+[ -n "$py" ] && is_312 "$py" || { echo "build_wheel: no CPython 3.12 found; pass one as the second argument" >&2; exit 1; }
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
