@@ -32,6 +32,7 @@ def _register_torch_ops() -> bool:
 
 
 # torch is optional: without it the package works on DLPack tensors of any framework.
+# (tessera imports torch where it is installed, to register the ops.)
 torch_ops_registered: bool = _register_torch_ops()
 
 __all__ = [

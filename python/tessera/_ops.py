@@ -10,7 +10,6 @@ which traces. An op resolves the stream when it runs: stream -1 is PyTorch's cur
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from . import _tensors as T
@@ -23,14 +22,14 @@ def use_torch_op(x: Any) -> bool:
     """Whether a call on tensor x goes through torch.ops.tessera rather than straight to C++."""
     if not _registered:
         return False
-    torch = sys.modules["torch"]
+    torch = T.torch_module()
     if not isinstance(x, torch.Tensor):
         return False
     return type(x) is not torch.Tensor or torch.compiler.is_compiling()
 
 
 def torch_ops() -> Any:
-    return sys.modules["torch"].ops.tessera
+    return T.torch_module().ops.tessera
 
 
 def stream_arg(stream: Optional[Any]) -> int:
@@ -46,9 +45,8 @@ def register() -> bool:
     global _registered
     if _registered:
         return True
-    try:
-        import torch
-    except ImportError:
+    torch = T.torch_module()
+    if torch is None:
         return False
     if not hasattr(torch.library, "custom_op"):
         return False

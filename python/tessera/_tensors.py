@@ -1,17 +1,21 @@
 """Framework plumbing shared by the wrappers: streams, output allocation, index arrays.
 
 Tensors are any DLPack producer (PyTorch, JAX, CuPy, NumPy, ...); torch tensors get torch's own
-allocator and current stream. torch is never imported here: it is used when the caller's tensors
-are torch tensors (so it is already imported).
+allocator and current stream. torch is optional: imported when installed (a module global, which
+torch.compile traces through), and None otherwise.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _tessera as _ext
+
+try:
+    import torch as _torch
+except ImportError:
+    _torch = None
 
 Error = _ext.Error
 
@@ -25,13 +29,12 @@ _DTYPE_NAMES = {
 
 
 def torch_module():
-    """The torch module if some code imported it, else None (never imports it)."""
-    return sys.modules.get("torch")
+    """The torch module, or None where it is not installed."""
+    return _torch
 
 
 def is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    return _torch is not None and isinstance(x, _torch.Tensor)
 
 
 def fail(entry: str, arg: str, rule: str) -> None:
@@ -71,9 +74,8 @@ def resolve_stream(stream: Any, like: Any) -> int:
     CUDA tensor `like`; else 0 (the default stream)."""
     if stream is not None:
         return stream_handle(stream)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(like, torch.Tensor) and like.is_cuda:
-        return _torch_raw_stream(torch, like.get_device())
+    if _torch is not None and isinstance(like, _torch.Tensor) and like.is_cuda:
+        return _torch_raw_stream(_torch, like.get_device())
     return 0
 
 
@@ -90,7 +92,7 @@ def empty(shape: Sequence[int], dtype: Any, like: Any) -> Any:
     torch `like`; else a CUDA array through DLPack (tessera's own allocation) or a NumPy array."""
     torch_name, numpy_dtype = _DTYPE_NAMES[dtype]
     if is_torch(like):
-        torch = sys.modules["torch"]
+        torch = _torch
         return torch.empty(tuple(shape), dtype=getattr(torch, torch_name), device=like.device)
     _, on_cuda, device, _ = describe(like)
     if on_cuda:
@@ -103,7 +105,7 @@ def empty(shape: Sequence[int], dtype: Any, like: Any) -> Any:
 
 def empty_like(x: Any, entry: str, arg: str) -> Any:
     if is_torch(x):
-        torch = sys.modules["torch"]
+        torch = _torch
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dtype, _, _, shape = describe(x, entry, arg)
     return empty(shape, dtype, like=x)
@@ -143,7 +145,7 @@ def to_device(x: Any, like: Any, stream: int, entry: str = "tensor_info", like_n
     """A device copy of a host int32 array on `like`'s device (asynchronous on `stream`; the
     source may be reused as soon as this returns)."""
     if is_torch(like):
-        torch = sys.modules["torch"]
+        torch = _torch
         if not is_torch(x):
             x = torch.from_numpy(np.ascontiguousarray(x))
         return x.to(like.device, non_blocking=True)

@@ -65,7 +65,7 @@ def batch_prefill(q: Any, k: Any, v: Any, qo_indptr: Any, kv_indptr: Any, *,
     kv, kv_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, s)
     if torch_op:
         _ops.torch_ops().batch_prefill(q, k, v, qo, kv, qo_host, kv_host, o, lse, causal, window_left,
-                                      float(scale or 0.0), float(soft_cap), int(path_id),
+                                      float(scale or 0.0), float(soft_cap), path_id.value,
                                       _ops.stream_arg(stream))
     else:
         _ext.batch_prefill(q, k, v, qo, kv, qo_host, kv_host, o, lse, causal, window_left,
@@ -106,7 +106,7 @@ def batch_prefill_paged(q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[
     if torch_op:
         _ops.torch_ops().batch_prefill_paged(
             q, qo, qo_host, k_pages, v_pages, layout, indptr, indices, last, indptr_host, indices_host,
-            last_host, o, lse, causal, window_left, float(scale or 0.0), float(soft_cap), int(path_id),
+            last_host, o, lse, causal, window_left, float(scale or 0.0), float(soft_cap), path_id.value,
             _ops.stream_arg(stream))
     else:
         _ext.batch_prefill_paged(q, qo, qo_host, k_pages, v_pages, layout, indptr, indices, last,
