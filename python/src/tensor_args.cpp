@@ -117,7 +117,7 @@ bool ArgConverter::from_torch(nb::handle obj, const char* arg, TensorView& view)
   } else if (nb::cast<bool>(nb::steal(PyObject_GetAttr(obj.ptr(), t.name_is_cpu)))) {
     view.device = Device::kCPU;
   } else {
-    fail(arg, "is on device '" + nb::cast<std::string>(nb::str(obj.attr("device"))) +
+    fail(arg, "is on device '" + nb::cast<std::string>(nb::str(nb::object(obj.attr("device")))) +
                   "'; tessera reads CUDA tensors (and host index arrays)");
   }
   nb::object shape = obj.attr("shape");

@@ -8,8 +8,8 @@ fake (meta) implementation has nothing to compute; the wrappers allocate outputs
 which traces. An op resolves the stream when it runs: stream -1 is PyTorch's current stream then
 (the capture stream inside a CUDA graph), any other value a cudaStream_t.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch.library reads the op signatures' annotations
+# as types.
 from typing import Any, Optional
 
 from . import _tensors as T
