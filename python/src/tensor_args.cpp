@@ -29,6 +29,10 @@ struct TorchTypes {
   PyObject* name_dtype = nullptr;
   PyObject* name_is_cuda = nullptr;
   PyObject* name_is_cpu = nullptr;
+  PyObject* name_get_device = nullptr;
+  PyObject* name_shape = nullptr;
+  PyObject* name_stride = nullptr;
+  PyObject* name_data_ptr = nullptr;
 };
 
 TorchTypes& torch_types() {
@@ -48,6 +52,10 @@ TorchTypes& torch_types() {
   t.name_dtype = nb::str("dtype").inc_ref().ptr();
   t.name_is_cuda = nb::str("is_cuda").inc_ref().ptr();
   t.name_is_cpu = nb::str("is_cpu").inc_ref().ptr();
+  t.name_get_device = nb::str("get_device").inc_ref().ptr();
+  t.name_shape = nb::str("shape").inc_ref().ptr();
+  t.name_stride = nb::str("stride").inc_ref().ptr();
+  t.name_data_ptr = nb::str("data_ptr").inc_ref().ptr();
   t.ready = true;
   return t;
 }
@@ -78,6 +86,20 @@ bool dtype_of(nb::dlpack::dtype d, DType& out) {
   return true;
 }
 
+// obj.name() through vectorcall (no bound-method object), or a Python error.
+nb::object call_method(nb::handle obj, PyObject* name) {
+  PyObject* args[] = {obj.ptr()};
+  PyObject* r = PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
+nb::object get_attr(nb::handle obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj.ptr(), name);
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
 constexpr const char* kSupportedDtypes = "(bf16, fp16, fp32, int32)";
 
 }  // namespace
@@ -101,8 +123,7 @@ bool ArgConverter::from_torch(nb::handle obj, const char* arg, TensorView& view)
   if (!t.ready || !PyType_IsSubtype(Py_TYPE(obj.ptr()), reinterpret_cast<PyTypeObject*>(t.tensor_type))) {
     return false;
   }
-  nb::object dtype = nb::steal(PyObject_GetAttr(obj.ptr(), t.name_dtype));
-  if (!dtype.is_valid()) throw nb::python_error();
+  nb::object dtype = get_attr(obj, t.name_dtype);
   PyObject* d = dtype.ptr();
   if (d == t.bf16) view.dtype = DType::kBF16;
   else if (d == t.fp16) view.dtype = DType::kFP16;
@@ -111,27 +132,31 @@ bool ArgConverter::from_torch(nb::handle obj, const char* arg, TensorView& view)
   else fail(arg, "dtype " + nb::cast<std::string>(nb::str(dtype)) + " is not supported " + kSupportedDtypes);
 
   int device_id = 0;
-  if (nb::cast<bool>(nb::steal(PyObject_GetAttr(obj.ptr(), t.name_is_cuda)))) {
+  if (get_attr(obj, t.name_is_cuda).ptr() == Py_True) {
     view.device = Device::kCUDA;
-    device_id = nb::cast<int>(obj.attr("get_device")());
-  } else if (nb::cast<bool>(nb::steal(PyObject_GetAttr(obj.ptr(), t.name_is_cpu)))) {
+    device_id = static_cast<int>(PyLong_AsLong(call_method(obj, t.name_get_device).ptr()));
+  } else if (get_attr(obj, t.name_is_cpu).ptr() == Py_True) {
     view.device = Device::kCPU;
   } else {
     fail(arg, "is on device '" + nb::cast<std::string>(nb::str(nb::object(obj.attr("device")))) +
                   "'; tessera reads CUDA tensors (and host index arrays)");
   }
-  nb::object shape = obj.attr("shape");
-  nb::object stride = obj.attr("stride")();
-  const size_t rank = nb::len(shape);
-  if (rank > static_cast<size_t>(TensorView::kMaxRank)) {
+  // torch.Size is a tuple subclass and stride() returns a tuple: read them as tuples (the
+  // generic sequence protocol costs a Python call per element).
+  nb::object shape = get_attr(obj, t.name_shape);
+  nb::object stride = call_method(obj, t.name_stride);
+  const Py_ssize_t rank = PyTuple_Size(shape.ptr());
+  if (rank < 0 || PyTuple_Size(stride.ptr()) != rank) throw nb::python_error();
+  if (rank > TensorView::kMaxRank) {
     fail(arg, "rank " + std::to_string(rank) + " exceeds " + std::to_string(TensorView::kMaxRank));
   }
   view.rank = static_cast<int>(rank);
-  for (size_t i = 0; i < rank; ++i) {
-    view.shape[i] = nb::cast<int64_t>(shape[i]);
-    view.stride[i] = nb::cast<int64_t>(stride[i]);
+  for (Py_ssize_t i = 0; i < rank; ++i) {
+    view.shape[i] = PyLong_AsLongLong(PyTuple_GetItem(shape.ptr(), i));
+    view.stride[i] = PyLong_AsLongLong(PyTuple_GetItem(stride.ptr(), i));
   }
-  view.data = PyLong_AsVoidPtr(obj.attr("data_ptr")().ptr());
+  if (PyErr_Occurred()) throw nb::python_error();
+  view.data = PyLong_AsVoidPtr(call_method(obj, t.name_data_ptr).ptr());
   if (PyErr_Occurred()) throw nb::python_error();
   note_device(view, device_id, arg);
   return true;

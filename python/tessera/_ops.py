@@ -16,6 +16,7 @@ from . import _tensors as T
 from . import _tessera as _ext
 
 _registered = False
+_is_compiling = None  # torch.compiler.is_compiling, looked up once
 
 
 def use_torch_op(x: Any) -> bool:
@@ -23,9 +24,9 @@ def use_torch_op(x: Any) -> bool:
     if not _registered:
         return False
     torch = T.torch_module()
-    if not isinstance(x, torch.Tensor):
-        return False
-    return type(x) is not torch.Tensor or torch.compiler.is_compiling()
+    if type(x) is torch.Tensor:  # the common eager case, decided without a call
+        return _is_compiling()
+    return isinstance(x, torch.Tensor)
 
 
 def torch_ops() -> Any:
@@ -42,7 +43,7 @@ def _stream(stream: int, like: Any) -> int:
 
 def register() -> bool:
     """Defines the tessera::* ops once; False when torch is missing or too old for custom_op."""
-    global _registered
+    global _registered, _is_compiling
     if _registered:
         return True
     torch = T.torch_module()
@@ -51,6 +52,7 @@ def register() -> bool:
     if not hasattr(torch.library, "custom_op"):
         return False
     from torch import Tensor
+    _is_compiling = torch.compiler.is_compiling
 
     def no_output(*args: Any, **kwargs: Any) -> None:
         return None
