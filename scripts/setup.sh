@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine is missing to build tessera, and nothing it already has:
-#   - Debian packages: cmake, g++, make, GoogleTest/GoogleMock (libgtest-dev, libgmock-dev), python3-pip
+#   - Debian packages: cmake, g++, make, ninja-build, GoogleTest/GoogleMock (libgtest-dev,
+#     libgmock-dev), python3-pip
 #   - the pinned nvidia-cutlass package (CUTLASS/CuTe headers) into .deps/python
 #   - for the Python package (python/): the pinned build packages (scikit-build-core, nanobind) into
 #     .deps/pybuild and the pinned test packages (pytest, numpy) into .deps/pytest-<version>, for
@@ -13,6 +14,7 @@ need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
 command -v make >/dev/null || need_apt+=(make)
+command -v ninja >/dev/null || need_apt+=(ninja-build)  # pip's builds use it (else they fetch it)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
 [ -f /usr/include/gmock/gmock.h ] || need_apt+=(libgmock-dev)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
