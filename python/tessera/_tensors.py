@@ -6,7 +6,8 @@ torch.compile traces through), and None otherwise.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -77,6 +78,31 @@ def resolve_stream(stream: Any, like: Any) -> int:
     if _torch is not None and isinstance(like, _torch.Tensor) and like.is_cuda:
         return _torch_raw_stream(_torch, like.get_device())
     return 0
+
+
+def torch_stream(stream: Any, like: Any) -> Any:
+    """A torch stream object for `stream` on `like`'s device."""
+    if isinstance(stream, _torch.cuda.Stream):
+        return stream
+    return _torch.cuda.ExternalStream(stream_handle(stream), device=like.device)
+
+
+def stream_scope(like_name: str, like_index: int) -> Callable:
+    """Decorates a wrapper whose keyword `stream` may name a stream other than PyTorch's current
+    one: for torch tensors the call then runs with that stream made current, so that the
+    temporaries and outputs it allocates (index copies, out) belong to it, as for any torch op
+    issued on a side stream."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, stream: Optional[Any] = None, **kwargs: Any) -> Any:
+            if stream is not None and _torch is not None:
+                like = args[like_index] if len(args) > like_index else kwargs.get(like_name)
+                if isinstance(like, _torch.Tensor) and like.is_cuda:
+                    with _torch.cuda.stream(torch_stream(stream, like)):
+                        return fn(*args, **kwargs)
+            return fn(*args, stream=stream, **kwargs)
+        return wrapper
+    return decorate
 
 
 # ---- allocation ---------------------------------------------------------------------------------

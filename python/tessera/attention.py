@@ -27,6 +27,7 @@ def _outputs(entry: str, q: Any, out: Optional[Any], lse: Optional[Any], return_
     return o, lse
 
 
+@T.stream_scope("q", 0)
 def batch_prefill(q: Any, k: Any, v: Any, qo_indptr: Any, kv_indptr: Any, *,
                   host_qo_indptr: Optional[Any] = None, host_kv_indptr: Optional[Any] = None,
                   causal: bool = False, window_left: int = -1, soft_cap: float = 0.0,
@@ -49,7 +50,9 @@ def batch_prefill(q: Any, k: Any, v: Any, qo_indptr: Any, kv_indptr: Any, *,
     family is an error). out / lse: outputs to write ([total_q, num_qo_heads, head_dim] in q's
     dtype; [total_q, num_qo_heads] fp32 natural-log LSE); allocated when not given (torch tensors
     for torch inputs). stream: a cudaStream_t (int, torch.cuda.Stream, CuPy stream); default
-    PyTorch's current stream for torch tensors, else the default stream.
+    PyTorch's current stream for torch tensors, else the default stream. For torch tensors a
+    given stream is made current for the call, so what it allocates belongs to that stream (as
+    for a torch op on a side stream); under torch.compile use torch.cuda.stream() instead.
 
     Returns o, or (o, lse) when return_lse is true or lse is given. Raises tessera.Error (a
     ValueError) naming the argument and the rule when an argument is invalid; nothing is written
@@ -73,6 +76,7 @@ def batch_prefill(q: Any, k: Any, v: Any, qo_indptr: Any, kv_indptr: Any, *,
     return (o, lse) if want_lse else o
 
 
+@T.stream_scope("q", 0)
 def batch_prefill_paged(q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[Any],
                         kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
                         layout: str = "NHD", host_qo_indptr: Optional[Any] = None,

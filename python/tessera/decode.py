@@ -129,6 +129,10 @@ class BatchDecoder:
         PyTorch's current stream when torch is imported). num_pages: the cache's page count, to
         check every page id against (required once a run() was captured into a CUDA graph).
         """
+        torch = T.torch_module()
+        if stream is not None and torch is not None and T.is_torch(self._workspace):
+            with torch.cuda.stream(T.torch_stream(stream, self._workspace)):  # see T.stream_scope
+                return self.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_pages=num_pages)
         entry = "BatchDecoder::plan"
         s = self._stream(stream)
         hosts = []
@@ -190,6 +194,9 @@ class BatchDecoder:
         tensors, else the default stream); no allocation when out (and lse) are given.
         Returns out, or (out, lse) when return_lse is true or lse is given.
         """
+        if stream is not None and T.is_torch(q) and q.is_cuda:
+            with T.torch_module().cuda.stream(T.torch_stream(stream, q)):  # see T.stream_scope
+                return self.run(q, k_pages, v_pages, out=out, lse=lse, return_lse=return_lse)
         want_lse = return_lse or lse is not None
         if out is None:
             out = T.empty_like(q, "BatchDecoder::run", "q")

@@ -8,6 +8,7 @@ from . import _tensors as T
 from . import _tessera as _ext
 
 
+@T.stream_scope("k_new", 6)
 def append_paged_kv(k_pages: Any, v_pages: Optional[Any], kv_indptr: Any, kv_indices: Any,
                     kv_last_page_len: Any, append_indptr: Any, k_new: Any, v_new: Any, *,
                     layout: str = "NHD", host_kv_indptr: Optional[Any] = None,

@@ -41,6 +41,7 @@ def _shape(x: Any, entry: str, arg: str):
     return tuple(x.shape) if T.is_torch(x) else T.describe(x, entry, arg)[3]
 
 
+@T.stream_scope("o_a", 0)
 def merge_state(o_a: Any, s_a: Any, o_b: Any, s_b: Any, *, out: Optional[Any] = None,
                 s_out: Optional[Any] = None, out_dtype: Optional[Any] = None,
                 stream: Optional[Any] = None) -> Tuple[Any, Any]:
@@ -62,6 +63,7 @@ def merge_state(o_a: Any, s_a: Any, o_b: Any, s_b: Any, *, out: Optional[Any] = 
     return out, s_out
 
 
+@T.stream_scope("o", 0)
 def merge_state_in_place(o: Any, s: Any, o_other: Any, s_other: Any, *,
                          stream: Optional[Any] = None) -> None:
     """(o, s) = merge((o, s), (o_other, s_other)), in place; o and o_other share a dtype."""
@@ -71,6 +73,7 @@ def merge_state_in_place(o: Any, s: Any, o_other: Any, s_other: Any, *,
         _ext.merge_state_in_place(o, s, o_other, s_other, T.resolve_stream(stream, o))
 
 
+@T.stream_scope("o_parts", 0)
 def merge_states(o_parts: Any, s_parts: Any, *, out: Optional[Any] = None, s_out: Optional[Any] = None,
                  return_lse: bool = True, out_dtype: Optional[Any] = None,
                  stream: Optional[Any] = None) -> Union[Any, Tuple[Any, Any]]:

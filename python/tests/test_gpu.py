@@ -2,13 +2,13 @@
 rule and against torch SDPA, paged == ragged, append, merges, the decoder's plan / run, CUDA-graph
 capture and replay, torch.compile(fullgraph=True), DLPack round trips with CuPy / JAX, and the
 Python call overhead. Every test skips with a reason without a GPU and torch."""
-import time
+import os
 
 import numpy as np
 import pytest
 
 import tessera
-from conftest import HAVE_TORCH_GPU, requires_gpu
+from conftest import HAVE_TORCH_GPU, REPO, requires_gpu, run_python
 import reference as ref
 
 pytestmark = requires_gpu
@@ -144,25 +144,25 @@ def test_paged_prefill_equals_ragged(layout, combined, page_size):
     ref.check_rule(host(paged), o_ref, ref.max_err(o_naive, o_ref), 1e-4, "o")
 
 
-def test_append_paged_kv_writes_the_new_rows():
+def test_append_paged_kv_writes_the_new_rows_and_nothing_else():
     page_size, hkv, d = 4, 2, 128
     kv_lens_after, new = [6, 9], [2, 5]
     pages = [(n + page_size - 1) // page_size for n in kv_lens_after]
     num_pages = sum(pages) + 2
-    kv_cache = torch.zeros((num_pages, 2, page_size, hkv, d), dtype=torch.bfloat16, device="cuda")
+    kv_cache = rand((num_pages, 2, page_size, hkv, d), seed=14)
+    expected = kv_cache.clone()
     ids = np.array([4, 0, 2, 1, 5], np.int32)
     last = np.array([n - (p - 1) * page_size for n, p in zip(kv_lens_after, pages)], np.int32)
     k_new, v_new = rand((sum(new), hkv, d), seed=15), rand((sum(new), hkv, d), seed=16)
-    tessera.append_paged_kv(kv_cache, None, lengths_to_indptr(pages), ids, last, lengths_to_indptr(new), k_new, v_new)
     row, at = 0, 0
     for n_after, n_new, p in zip(kv_lens_after, new, pages):
         for j in range(n_new):
             pos = n_after - n_new + j
             page, slot = ids[at + pos // page_size], pos % page_size
-            assert torch.equal(kv_cache[page, 0, slot], k_new[row + j])
-            assert torch.equal(kv_cache[page, 1, slot], v_new[row + j])
+            expected[page, 0, slot], expected[page, 1, slot] = k_new[row + j], v_new[row + j]
         row, at = row + n_new, at + p
-    assert int((kv_cache != 0).any(dim=(2, 3, 4)).sum()) > 0
+    tessera.append_paged_kv(kv_cache, None, lengths_to_indptr(pages), ids, last, lengths_to_indptr(new), k_new, v_new)
+    assert torch.equal(kv_cache, expected)
 
 
 def test_merge_state_and_merge_states_match_fp64():
@@ -303,23 +303,8 @@ def test_jax_round_trip():
 
 
 def test_python_overhead_of_decoder_run_is_under_10us():
-    p = decode_problem([16, 16, 16, 16], [1] * 4, seed=80)
-    dec = decoder_for(max_batch=4, max_qo_len=1)
-    dec.plan(p["qo"], p["indptr"], p["ids"], p["last"])
-    out = torch.empty_like(p["q"])
-    calls = 2000
-    for _ in range(100):
-        dec.run(p["q"], p["kv_cache"], out=out)
-    torch.cuda.synchronize()
-    python, cpp = [], []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            dec.run(p["q"], p["kv_cache"], out=out)
-        python.append((time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
-        cpp.append(dec.host_seconds_per_cpp_run(p["q"], p["kv_cache"], None, out, iterations=calls))
-        torch.cuda.synchronize()
-    overhead = np.median(python) - np.median(cpp)
-    assert overhead < 10e-6, "Python overhead %.2f us per run() (python %.2f us, C++ %.2f us)" % (
-        overhead * 1e6, np.median(python) * 1e6, np.median(cpp) * 1e6)
+    """Host time per run() through Python against the C++ call, both timed while a spin kernel
+    holds the GPU (the launches queue up instead of waiting for the GPU): see
+    bench/python_overhead.py, which this test runs."""
+    r = run_python([os.path.join(REPO, "bench", "python_overhead.py"), "--repeats", "5"])
+    assert r.returncode == 0, r.stdout + r.stderr

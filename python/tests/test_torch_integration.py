@@ -72,6 +72,26 @@ def test_torch_compile_fullgraph_traces_the_wrappers_into_tessera_ops():
     assert len(graphs) == 1 and "tessera.batch_prefill" in graphs[0], graphs
 
 
+def test_torch_compile_fullgraph_traces_decoder_run():
+    from tessera import decode
+    # A decoder needs a GPU; tracing run() needs only its Python side: one that was never planned.
+    dec = object.__new__(tessera.BatchDecoder)
+    dec._kv_indices, dec._captured_indices, dec._handle = None, None, 1 << 40
+    decode._DECODERS[dec._handle] = dec
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    q = torch.randn(4, 8, 128).to(torch.bfloat16)
+    kv_cache = torch.zeros(3, 2, 16, 2, 128, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda q, kv: dec.run(q, kv) + 1, fullgraph=True, backend=backend)
+    with pytest.raises(tessera.Error, match=r"run\(\) needs a plan\(\)"):
+        compiled(q, kv_cache)
+    assert len(graphs) == 1 and "tessera.decode_run" in graphs[0], graphs
+
+
 def test_eager_calls_skip_the_dispatcher():
     from tessera import _ops
     q = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
