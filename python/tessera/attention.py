@@ -19,12 +19,26 @@ def attention_path(entry: str, path: Union[str, Any]) -> Any:
     T.fail(entry, "path", "must be 'auto', 'portable' or 'hopper' (or tessera.AttentionPath), got %r" % (path,))
 
 
-def _outputs(entry: str, q: Any, out: Optional[Any], lse: Optional[Any], return_lse: bool):
-    o = out if out is not None else T.empty_like(q, entry, "q")
-    if lse is None and return_lse:
-        shape = tuple(q.shape) if T.is_torch(q) else T.describe(q, entry, "q")[3]
-        lse = T.empty(shape[:2], _ext.DType.FP32, like=q)
-    return o, lse
+class _QuerySide:
+    """What both prefill wrappers set up the same way: outputs (given or allocated), the kernel
+    path, whether the call goes through the torch op, the stream, and qo_indptr's two copies."""
+
+    def __init__(self, entry: str, q: Any, qo_indptr: Any, host_qo_indptr: Optional[Any],
+                 out: Optional[Any], lse: Optional[Any], return_lse: bool, path: Union[str, Any],
+                 stream: Optional[Any]) -> None:
+        self.want_lse = return_lse or lse is not None
+        self.o = out if out is not None else T.empty_like(q, entry, "q")
+        if lse is None and return_lse:
+            shape = tuple(q.shape) if T.is_torch(q) else T.describe(q, entry, "q")[3]
+            lse = T.empty(shape[:2], _ext.DType.FP32, like=q)
+        self.lse = lse
+        self.path = attention_path(entry, path)
+        self.torch_op = _ops.use_torch_op(q)
+        self.stream = -1 if self.torch_op else T.resolve_stream(stream, q)
+        self.qo, self.qo_host = T.index_pair(entry, "qo_indptr", qo_indptr, host_qo_indptr, q, self.stream)
+
+    def result(self) -> Union[Any, Tuple[Any, Any]]:
+        return (self.o, self.lse) if self.want_lse else self.o
 
 
 @T.stream_scope("q", 0)
@@ -59,21 +73,15 @@ def batch_prefill(q: Any, k: Any, v: Any, qo_indptr: Any, kv_indptr: Any, *,
     then.
     """
     entry = "batch_prefill"
-    want_lse = return_lse or lse is not None
-    o, lse = _outputs(entry, q, out, lse, return_lse)
-    path_id = attention_path(entry, path)
-    torch_op = _ops.use_torch_op(q)
-    s = -1 if torch_op else T.resolve_stream(stream, q)
-    qo, qo_host = T.index_pair(entry, "qo_indptr", qo_indptr, host_qo_indptr, q, s)
-    kv, kv_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, s)
-    if torch_op:
-        _ops.torch_ops().batch_prefill(q, k, v, qo, kv, qo_host, kv_host, o, lse, causal, window_left,
-                                      float(scale or 0.0), float(soft_cap), path_id.value,
-                                      _ops.stream_arg(stream))
+    a = _QuerySide(entry, q, qo_indptr, host_qo_indptr, out, lse, return_lse, path, stream)
+    kv, kv_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, a.stream)
+    if a.torch_op:
+        _ops.torch_ops().batch_prefill(q, k, v, a.qo, kv, a.qo_host, kv_host, a.o, a.lse, causal, window_left,
+                                      float(scale or 0.0), float(soft_cap), a.path.value, _ops.stream_arg(stream))
     else:
-        _ext.batch_prefill(q, k, v, qo, kv, qo_host, kv_host, o, lse, causal, window_left,
-                           float(scale or 0.0), float(soft_cap), path_id, s)
-    return (o, lse) if want_lse else o
+        _ext.batch_prefill(q, k, v, a.qo, kv, a.qo_host, kv_host, a.o, a.lse, causal, window_left,
+                           float(scale or 0.0), float(soft_cap), a.path, a.stream)
+    return a.result()
 
 
 @T.stream_scope("q", 0)
@@ -98,22 +106,17 @@ def batch_prefill_paged(q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[
     cache before anything runs). kv_len = page_size * (pages - 1) + last_page_len.
     """
     entry = "batch_prefill_paged"
-    want_lse = return_lse or lse is not None
-    o, lse = _outputs(entry, q, out, lse, return_lse)
-    path_id = attention_path(entry, path)
-    torch_op = _ops.use_torch_op(q)
-    s = -1 if torch_op else T.resolve_stream(stream, q)
-    qo, qo_host = T.index_pair(entry, "qo_indptr", qo_indptr, host_qo_indptr, q, s)
-    indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, s)
-    indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, q, s)
-    last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, q, s)
-    if torch_op:
+    a = _QuerySide(entry, q, qo_indptr, host_qo_indptr, out, lse, return_lse, path, stream)
+    indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, a.stream)
+    indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, q, a.stream)
+    last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, q, a.stream)
+    if a.torch_op:
         _ops.torch_ops().batch_prefill_paged(
-            q, qo, qo_host, k_pages, v_pages, layout, indptr, indices, last, indptr_host, indices_host,
-            last_host, o, lse, causal, window_left, float(scale or 0.0), float(soft_cap), path_id.value,
+            q, a.qo, a.qo_host, k_pages, v_pages, layout, indptr, indices, last, indptr_host, indices_host,
+            last_host, a.o, a.lse, causal, window_left, float(scale or 0.0), float(soft_cap), a.path.value,
             _ops.stream_arg(stream))
     else:
-        _ext.batch_prefill_paged(q, qo, qo_host, k_pages, v_pages, layout, indptr, indices, last,
-                                 indptr_host, indices_host, last_host, o, lse, causal, window_left,
-                                 float(scale or 0.0), float(soft_cap), path_id, s)
-    return (o, lse) if want_lse else o
+        _ext.batch_prefill_paged(q, a.qo, a.qo_host, k_pages, v_pages, layout, indptr, indices, last,
+                                 indptr_host, indices_host, last_host, a.o, a.lse, causal, window_left,
+                                 float(scale or 0.0), float(soft_cap), a.path, a.stream)
+    return a.result()
