@@ -4,10 +4,12 @@
 # so any CPython >= 3.12 takes it). Also downloads the pinned test packages
 # (scripts/requirements-python-test.txt) as cp312 wheels into OUTDIR/test-deps.
 #   scripts/build_wheel.sh OUTDIR [PYTHON]     (PYTHON: a CPython 3.12; default python3.12, else pyenv's 3.12)
-# On the GPU machine:
+# On the GPU machine, in a checkout of the same commit:
 #   python3 -m pip install --no-index --no-deps OUTDIR/tessera-*.whl
-#   python3 -m pip install --no-index --no-deps OUTDIR/test-deps/*.whl   # where pytest is missing
-#   python3 -m pytest python/tests                                      # from a checkout of the same commit
+#   python3 -m pip install --no-index --no-deps OUTDIR/test-deps/*.whl   # only what is missing there
+#                                                                       # (keep the machine's own numpy)
+#   python3 -m pytest -q -rs python/tests                               # the package's suite, GPU tests included
+#   python3 bench/python_overhead.py                                    # run() through Python vs the C++ call
 set -euo pipefail
 out=${1:?usage: scripts/build_wheel.sh OUTDIR [PYTHON]}
 is_312() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; }

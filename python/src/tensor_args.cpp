@@ -129,7 +129,12 @@ bool ArgConverter::from_torch(nb::handle obj, const char* arg, TensorView& view)
   else if (d == t.fp16) view.dtype = DType::kFP16;
   else if (d == t.fp32) view.dtype = DType::kFP32;
   else if (d == t.int32) view.dtype = DType::kInt32;
-  else fail(arg, "dtype " + nb::cast<std::string>(nb::str(dtype)) + " is not supported " + kSupportedDtypes);
+  else {
+    // "torch.float64" -> "float64": the same words as for the same tensor through DLPack
+    std::string name = nb::cast<std::string>(nb::str(dtype));
+    if (name.compare(0, 6, "torch.") == 0) name = name.substr(6);
+    fail(arg, "dtype " + name + " is not supported " + kSupportedDtypes);
+  }
 
   int device_id = 0;
   if (get_attr(obj, t.name_is_cuda).ptr() == Py_True) {

@@ -17,7 +17,7 @@ def test_torch_fast_path_gives_the_dlpack_view():
 
 
 def test_torch_dtype_and_device_errors_name_the_argument():
-    with pytest.raises(tessera.Error, match=r"^tessera::x: argument 'y': dtype torch.float64 is not supported"):
+    with pytest.raises(tessera.Error, match=r"^tessera::x: argument 'y': dtype float64 is not supported"):
         _tessera.tensor_info(torch.zeros(3, dtype=torch.float64), "x", "y")
     with pytest.raises(tessera.Error, match="is on device 'meta'"):
         _tessera.tensor_info(torch.empty(3, dtype=torch.float16, device="meta"), "x", "y")
