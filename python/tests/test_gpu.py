@@ -197,10 +197,10 @@ def decode_problem(kv_lens, qo_lens, page_size=16, hq=32, hkv=8, d=128, seed=21,
                 o_ref=o_ref, lse_ref=lse_ref, naive=ref.max_err(o_naive, o_ref))
 
 
-def decoder_for(max_batch=8, max_qo_len=4, page_size=16, **kw):
+def decoder_for(max_batch=8, max_qo_len=4, page_size=16, kv_indices_capacity=0):
     cfg = tessera.DecodeConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=page_size,
-                               dtype="bf16", max_batch_size=max_batch, max_qo_len=max_qo_len, **kw)
-    return tessera.BatchDecoder(cfg)
+                               dtype="bf16", max_batch_size=max_batch, max_qo_len=max_qo_len)
+    return tessera.BatchDecoder(cfg, kv_indices_capacity=kv_indices_capacity)
 
 
 @pytest.mark.parametrize("qo_lens", [[1, 1, 1, 1], [1, 3, 4, 2]])
