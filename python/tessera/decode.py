@@ -31,7 +31,6 @@ import itertools
 import weakref
 from typing import Any, Optional, Tuple, Union
 
-import numpy as np
 
 from . import _ops
 from . import _tensors as T

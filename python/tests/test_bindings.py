@@ -2,9 +2,7 @@
 host index arrays, streams), the CPU-only paths (NumPy arrays, tessera.info), packaging."""
 import os
 import re
-import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
