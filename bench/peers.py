@@ -11,6 +11,10 @@ Usage:
   python3 bench/peers.py --cases bench/cases --out RESULTS.json [--merge-into EXISTING.json]
                          [--suites prefill,decode] [--commit SHA] [--no-flex] [--no-flashinfer]
   python3 bench/peers.py --cases bench/cases --dry-run      # CPU only, does not import torch
+  python3 bench/peers.py --cases bench/cases --out RESULTS.json --tessera-python
+        # also times tessera itself through the Python package (import tessera), in this process,
+        # with the same timers: a results file from one Python process (record["tessera"], with
+        # notes["tessera"] saying so; merged into C++ results it becomes peer "tessera_python")
 
 Timing: CUDA events around every call, after warm-up; the median of at least 20 calls (more while
 they fit in --time-per-peer seconds). Calls are enqueued in batches behind a GPU spin kernel
@@ -884,6 +888,146 @@ def run_merge(p, args):
     return peers, notes, {}
 
 
+# ----------------------------------------------------------------------------------------------
+# tessera through its Python package (--tessera-python): the same cases, timers and input sizes
+# ----------------------------------------------------------------------------------------------
+
+TESSERA = {"module": None}
+
+
+def tessera_prefill(p, budget_s, paged):
+    """batch_prefill (or batch_prefill_paged, page_size from the case) on the case as a ragged
+    batch of `batch` requests of `seq` tokens, q [b * s, Hq, d]."""
+    ts = TESSERA["module"]
+    b, s, hq, hkv, d = p["batch"], p["seq"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
+    n = num_sets(set_bytes("prefill", p))
+    sets = [(randn(b * s, hq, d), randn(b * s, hkv, d), randn(b * s, hkv, d)) for _ in range(n)]
+    out = torch.empty_like(sets[0][0])
+    dev_indptr = indptr.cuda()
+    if not paged:
+        def call(x):
+            ts.batch_prefill(x[0], x[1], x[2], dev_indptr, dev_indptr, host_qo_indptr=indptr,
+                             host_kv_indptr=indptr, causal=p["causal"], out=out)
+        note = "tessera.batch_prefill (Python package), host indptr given"
+    else:
+        ps = p["page_size"]
+        pages = (s + ps - 1) // ps
+        page_indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32)
+        ids = torch.arange(b * pages, dtype=torch.int32)
+        last = torch.full((b,), s - (pages - 1) * ps, dtype=torch.int32)
+        dev = [t.cuda() for t in (page_indptr, ids, last)]
+        if s % ps:
+            raise RuntimeError("seq %d is not a multiple of page_size %d" % (s, ps))
+        # request r's token t sits in page r * pages + t // ps: K/V rows viewed as pages, stacked
+        # into the combined [num_pages, 2, page_size, kv_heads, head_dim] cache
+        sets = [(x[0], torch.stack([x[1].view(b * pages, ps, hkv, d), x[2].view(b * pages, ps, hkv, d)], dim=1))
+                for x in sets]
+
+        def call(x):
+            ts.batch_prefill_paged(x[0], dev_indptr, x[1], None, dev[0], dev[1], dev[2],
+                                   host_qo_indptr=indptr, host_kv_indptr=page_indptr, host_kv_indices=ids,
+                                   host_kv_last_page_len=last, causal=p["causal"], out=out)
+        note = "tessera.batch_prefill_paged (Python package), combined NHD cache"
+    t = time_cuda(call, sets, budget_s)
+    return case_work("prefill", p) / t / 1e12, note
+
+
+def tessera_decode(p, budget_s):
+    """BatchDecoder plan once, run() timed per call and as a stream, over a combined NHD cache."""
+    ts = TESSERA["module"]
+    lengths = decode_lengths(p)
+    b, hq, hkv, d, ps = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]
+    dtype = TORCH_DTYPE[p.get("dtype", "bf16")]
+    pages = [(n + ps - 1) // ps for n in lengths]
+    indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total_pages = int(indptr[-1])
+    ids = torch.arange(total_pages, dtype=torch.int32)
+    last = torch.tensor([n - (k - 1) * ps for n, k in zip(lengths, pages)], dtype=torch.int32)
+    qo = torch.arange(b + 1, dtype=torch.int32)
+    cfg = ts.DecodeConfig(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps, dtype=p.get("dtype", "bf16"),
+                          layout=p.get("layout", "NHD"), max_batch_size=b)
+    decoder = ts.BatchDecoder(cfg)
+    decoder.plan(qo, indptr, ids, last, num_pages=total_pages)
+    n = num_sets(set_bytes("decode", p))
+    sets = [(randn(b, hq, d, dtype=dtype), randn(total_pages, 2, ps, hkv, d, dtype=dtype)) for _ in range(n)]
+    out = torch.empty_like(sets[0][0])
+
+    def call(x):
+        decoder.run(x[0], x[1], out=out)
+
+    t = time_cuda(call, sets, budget_s)
+    t_stream = time_cuda_stream(call, sets, budget_s)
+    work = case_work("decode", p)
+    return work / t / 1e12, work / t_stream / 1e12
+
+
+def tessera_append(p, budget_s):
+    ts = TESSERA["module"]
+    b, length, h, d, ps = p["batch"], p["append_len"], p["num_kv_heads"], p["head_dim"], p["page_size"]
+    pages = (length + ps - 1) // ps
+    shape = (b * pages, ps, h, d) if p["layout"] == "NHD" else (b * pages, h, ps, d)
+    k_pages, v_pages = randn(*shape), randn(*shape)
+    indptr = torch.arange(0, (b + 1) * pages, pages, dtype=torch.int32)
+    ids = torch.arange(b * pages, dtype=torch.int32)
+    last = torch.full((b,), length - (pages - 1) * ps, dtype=torch.int32)
+    append = torch.arange(0, (b + 1) * length, length, dtype=torch.int32)
+    dev = [t.cuda() for t in (indptr, ids, last, append)]
+    sets = [(randn(b * length, h, d), randn(b * length, h, d)) for _ in range(num_sets(set_bytes("append", p)))]
+
+    def call(x):
+        ts.append_paged_kv(k_pages, v_pages, dev[0], dev[1], dev[2], dev[3], x[0], x[1], layout=p["layout"],
+                           host_kv_indptr=indptr, host_kv_indices=ids, host_kv_last_page_len=last,
+                           host_append_indptr=append)
+
+    t = time_cuda(call, sets, budget_s)
+    return case_work("append", p) / t / 1e12
+
+
+def tessera_merge(p, budget_s):
+    ts = TESSERA["module"]
+    in_dt, out_dt = merge_dtypes(p)
+    n, rows, heads, d = p["n"], p["rows"], p["heads"], p["head_dim"]
+    sets = [(randn(rows, n, heads, d, dtype=TORCH_DTYPE[in_dt]), 4 * randn(rows, n, heads, dtype=torch.float32))
+            for _ in range(num_sets(set_bytes("merge", p)))]
+    out = torch.empty(rows, heads, d, dtype=TORCH_DTYPE[out_dt], device="cuda")
+    s_out = torch.empty(rows, heads, dtype=torch.float32, device="cuda")
+    if n == 2:
+        def call(x):
+            ts.merge_state(x[0][:, 0], x[1][:, 0], x[0][:, 1], x[1][:, 1], out=out, s_out=s_out)
+    else:
+        def call(x):
+            ts.merge_states(x[0], x[1], out=out, s_out=s_out)
+    t = time_cuda(call, sets, budget_s)
+    return case_work("merge", p) / t / 1e12
+
+
+def measure_tessera_python(suite, p, budget_s, notes, peers):
+    """Fills peers["tessera_python"] (and, for decode, "tessera_python_stream") or an error note."""
+    try:
+        if suite in ("prefill", "prefill_portable"):
+            value, _ = tessera_prefill(p, budget_s, paged=False)
+        elif suite == "prefill_paged":
+            value, _ = tessera_prefill(p, budget_s, paged=True)
+        elif suite == "decode":
+            value, stream = tessera_decode(p, budget_s)
+            peers["tessera_python_stream"] = stream
+        elif suite == "append":
+            value = tessera_append(p, budget_s)
+        elif suite == "merge":
+            value = tessera_merge(p, budget_s)
+        else:
+            raise RuntimeError("no Python-package runner for suite %s" % suite)
+        peers["tessera_python"] = value
+        notes["tessera_python"] = "tessera through its Python package (tessera %s), same process and timers as the peers" % (
+            TESSERA["module"].__version__)
+    except Exception as e:
+        peers["tessera_python"] = None
+        notes["tessera_python_error"] = error_text(e)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "prefill_paged": run_prefill, "decode": run_decode,
            "moe_gemm": run_moe_gemm, "append": run_append, "merge": run_merge}
 
@@ -975,6 +1119,16 @@ def run_all(suites, args):
             except Exception as e:  # the case's own setup failed (e.g. out of memory)
                 peers = {name: None for name in SUITES[suite]["peers"]}
                 notes, ceiling = {"setup_error": error_text(e)}, {}
+            tessera_value = None
+            if args.tessera_python:
+                peers, notes = dict(peers), dict(notes)
+                measure_tessera_python(suite, p, args.time_per_peer, notes, peers)
+                tessera_value = peers.pop("tessera_python")
+                if suite == "decode" and "tessera_python_stream" in peers:
+                    value = peers.pop("tessera_python_stream")
+                    notes["stream_tbs"] = value
+                if "tessera_python" in notes:
+                    notes["tessera"] = notes.pop("tessera_python")
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             for name in SUITES[suite]["ceilings"]:
@@ -983,7 +1137,7 @@ def run_all(suites, args):
                 for key in (name, name + "_error"):
                     if key in ceil_notes:
                         notes[key] = ceil_notes[key]
-            records.append({"suite": suite, "case": case["name"], "metric": metric, "tessera": None,
+            records.append({"suite": suite, "case": case["name"], "metric": metric, "tessera": tessera_value,
                             "peers": peers, "ceiling": ceiling, "params": p, "notes": notes})
             print("%-16s %-30s %s  (%.1f s)" % (suite, case["name"], ", ".join(
                 "%s %s" % (k, fmt(v)) for k, v in peers.items()), time.perf_counter() - t_case), flush=True)
@@ -999,6 +1153,11 @@ def merge_into(existing, records):
             existing.setdefault("records", []).append(rec)
             continue
         old.setdefault("peers", {}).update(rec["peers"])
+        if rec.get("tessera") is not None:  # --tessera-python: the package's figure beside the C++ one
+            old["peers"]["tessera_python"] = rec["tessera"]
+            if "stream_tbs" in rec["notes"]:
+                old["peers"]["tessera_python_stream"] = rec["notes"].pop("stream_tbs")
+            rec["notes"]["tessera_python"] = rec["notes"].pop("tessera", "")
         # decode: tessera and the peers must have run the same per-request lengths
         ours, theirs = old.get("notes", {}).get("kv_tokens"), rec["notes"].get("kv_tokens")
         if ours is not None and theirs is not None and ours != theirs:
@@ -1073,6 +1232,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-flashinfer", action="store_true", help="skip the flashinfer peer (prefill suites)")
     ap.add_argument("--flashinfer-backend", default="auto", choices=["auto", "fa2", "fa3"],
                     help="FlashInfer prefill backend (default auto: fa3, its FlashAttention-3 template, on sm_90)")
+    ap.add_argument("--tessera-python", action="store_true",
+                    help="also time tessera through its Python package (import tessera) in this process")
     args = ap.parse_args(argv)
     args.suites = [s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else None
     if not args.dry_run and not args.out:
@@ -1095,6 +1256,9 @@ def main(argv=None):
         print("error: no CUDA device", file=sys.stderr)
         return 1
     TORCH_DTYPE.update(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
+    if args.tessera_python:
+        import tessera
+        TESSERA["module"] = tessera
     # flex_attention compiles once per shape: keep dynamo from falling back to eager (which
     # materialises the scores) when the number of shapes passes its recompile limit.
     for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",

@@ -6,7 +6,9 @@
 # holds a build; otherwise configures and builds it (needs CUTLASS headers: scripts/setup.sh).
 # Environment: TESSERA_COMMIT (recorded in results.json), BENCH_SUITES / PEER_SUITES (comma lists,
 # default all), TEST_FILTER (gtest filter, default all), SKIP_SANITIZER=1, SKIP_BENCH=1,
-# PEER_ARGS (extra bench/peers.py arguments, e.g. --no-flex).
+# PEER_ARGS (extra bench/peers.py arguments, e.g. --no-flex, --tessera-python).
+# Where the Python package is installed (pip install of a scripts/build_wheel.sh wheel), its pytest
+# suite and the run() overhead benchmark run too: python_tests.log, python_overhead.log.
 set -uo pipefail
 out=${1:?usage: run_gpu_all.sh OUTDIR [BUILD_DIR]}
 build=${2:-build}
@@ -34,6 +36,16 @@ if command -v compute-sanitizer >/dev/null && [ "${SKIP_SANITIZER:-0}" != 1 ]; t
     compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuPrefill.CompactTileShapeForLessSharedMemory:GpuDecode.PageSizesAndLayouts:GpuDecode.OneCtaPerSmShape:GpuDecodeSplit.LongRequestAlone:GpuPrefillPaged.PagedEqualsRagged:GpuPrefillPaged.CompactTileShapeForLessSharedMemory' 2>&1 | tail -5
   } > "$out/sanitizer.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log"
+fi
+
+if (cd /tmp && python3 -c "import tessera" 2>/dev/null); then
+  echo "== python package"
+  python3 -m pytest -q -rs python/tests > "$out/python_tests.log" 2>&1 || { echo "python tests FAILED"; status=1; }
+  tail -3 "$out/python_tests.log"
+  python3 bench/python_overhead.py > "$out/python_overhead.log" 2>&1 || { echo "python overhead over target or FAILED"; status=1; }
+  cat "$out/python_overhead.log"
+else
+  echo "== python package: not installed (scripts/build_wheel.sh, then pip install the wheel), skipped"
 fi
 
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status

@@ -21,33 +21,7 @@ namespace {
 
 using namespace tessera;
 
-void print_info(const DeviceInfo& info) {
-  std::printf("tessera %s\n", version());
-  if (!info.present) {
-    std::printf("GPU: none (%s)\nkernel path: %s\n", info.reason.c_str(),
-                kernel_path_name(KernelPath::kNone));
-    return;
-  }
-  const double kib = 1024.0, mib = kib * 1024, gib = mib * 1024;
-  std::printf("GPU %d: %s, compute capability %d.%d, %d SMs\n", info.device, info.name.c_str(),
-              info.cc_major, info.cc_minor, info.sm_count);
-  std::printf("  registers: %d x 32-bit per SM (%d per block)\n", info.registers_per_sm,
-              info.max_registers_per_block);
-  std::printf("  shared memory: %.0f KiB per SM, %.0f KiB per block (%.0f KiB opt-in)\n",
-              info.shared_memory_per_sm / kib, info.shared_memory_per_block / kib,
-              info.shared_memory_per_block_optin / kib);
-  std::printf("  L2: %.1f MiB\n", info.l2_bytes / mib);
-  std::printf("  HBM: %.1f GiB, %d-bit bus", info.global_memory_bytes / gib,
-              info.memory_bus_width_bits);
-  if (info.memory_clock_khz > 0) {
-    // DDR: two transfers per clock.
-    const double peak = 2.0 * info.memory_clock_khz * 1e3 * info.memory_bus_width_bits / 8 / 1e12;
-    std::printf(", %.0f MHz (%.2f TB/s peak by clock x width)", info.memory_clock_khz / 1e3, peak);
-  }
-  std::printf("\n");
-  if (info.sm_clock_khz > 0) std::printf("  SM clock (max): %.0f MHz\n", info.sm_clock_khz / 1e3);
-  std::printf("kernel path: %s\n", kernel_path_name(info.path));
-}
+void print_info(const DeviceInfo& info) { std::fputs(info_text(info).c_str(), stdout); }
 
 // A small paged batch: request lengths, page_size 16, NHD, 2 KV heads, 8 query heads, hd 64.
 struct SmallBatch {

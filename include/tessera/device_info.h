@@ -47,4 +47,8 @@ int device_count();
 // there is no usable GPU.
 DeviceInfo device_info(int device = -1);
 
+// What `tessera info` (and Python's `python -m tessera info`) prints: the library version, the GPU,
+// its memory hierarchy and the kernel path, one fact per line, ending in a newline.
+std::string info_text(const DeviceInfo& info);
+
 }  // namespace tessera

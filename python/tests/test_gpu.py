@@ -1,0 +1,310 @@
+"""The package against the GPU kernels: results against the fp64 reference under the tolerance
+rule and against torch SDPA, paged == ragged, append, merges, the decoder's plan / run, CUDA-graph
+capture and replay, torch.compile(fullgraph=True), DLPack round trips with CuPy / JAX, and the
+Python call overhead. Every test skips with a reason without a GPU and torch."""
+import os
+
+import numpy as np
+import pytest
+
+import tessera
+from conftest import HAVE_TORCH_GPU, REPO, requires_gpu, run_python
+import reference as ref
+
+pytestmark = requires_gpu
+
+if HAVE_TORCH_GPU:
+    import torch
+
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def rand(shape, dtype="bf16", seed=0, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, generator=g, device="cuda") * scale).to(getattr(torch, TORCH_DTYPE.get(dtype, dtype)))
+
+
+def host(t):
+    return t.detach().double().cpu().numpy()
+
+
+def compiled_or_skip(fn):
+    try:
+        return fn()
+    except tessera.Error as e:
+        if "not compiled" in str(e) or "compiled head dims" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+def lengths_to_indptr(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+# ---- prefill ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("variant", [dict(), dict(causal=True), dict(causal=True, window_left=20),
+                                     dict(soft_cap=20.0, scale=0.05)])
+def test_prefill_matches_fp64_reference(dtype, head_dim, hq, hkv, variant):
+    qo_lens, kv_lens = [1, 7, 54, 0], [97, 7, 100, 5]
+    qo, kv = lengths_to_indptr(qo_lens), lengths_to_indptr(kv_lens)
+    q, k, v = rand((qo[-1], hq, head_dim), dtype, 1), rand((kv[-1], hkv, head_dim), dtype, 2), rand((kv[-1], hkv, head_dim), dtype, 3)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((qo[-1], hq), float("nan"), device="cuda")
+    compiled_or_skip(lambda: tessera.batch_prefill(q, k, v, qo, kv, out=out, lse=lse, **variant))
+    torch.cuda.synchronize()
+    o_ref, lse_ref = ref.attention(host(q), host(k), host(v), qo, kv, **variant)
+    o_naive, _ = ref.attention(host(q), host(k), host(v), qo, kv, lowp=dtype, **variant)
+    ref.check_rule(host(out), o_ref, ref.max_err(o_naive, o_ref), 1e-4, "o")
+    ref.check_rule(host(lse), lse_ref, 0.0, 2e-4, "lse")
+
+
+def test_prefill_against_sdpa_and_allocated_outputs():
+    b, s, hq, d = 3, 200, 8, 128
+    q, k, v = rand((b * s, hq, d), seed=4), rand((b * s, hq, d), seed=5), rand((b * s, hq, d), seed=6)
+    indptr = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)  # host (CPU) indptr
+    o, lse = tessera.batch_prefill(q, k, v, indptr, indptr, causal=True, return_lse=True)
+    assert o.dtype == q.dtype and o.is_cuda and lse.dtype == torch.float32 and lse.shape == (b * s, hq)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, s, hq, d).transpose(1, 2), k.view(b, s, hq, d).transpose(1, 2),
+        v.view(b, s, hq, d).transpose(1, 2), is_causal=True).transpose(1, 2).reshape(b * s, hq, d)
+    idx = indptr.numpy()
+    o_ref, _ = ref.attention(host(q), host(k), host(v), idx, idx, causal=True)
+    o_naive, _ = ref.attention(host(q), host(k), host(v), idx, idx, causal=True, lowp="bf16")
+    naive = ref.max_err(o_naive, o_ref)
+    ref.check_rule(host(o), o_ref, naive, 1e-4, "o")
+    sdpa_err = ref.max_err(host(sdpa), o_ref)
+    assert ref.max_err(host(o), host(sdpa)) <= 2 * naive + sdpa_err + 1e-4
+
+
+def test_prefill_packed_qkv_slices_equal_contiguous_inputs():
+    t, hq, hkv, d = 300, 8, 2, 128
+    qkv = rand((t, hq + 2 * hkv, d), seed=7)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    indptr = np.array([0, 100, 300], np.int32)
+    strided = tessera.batch_prefill(q, k, v, indptr, indptr, causal=True)
+    dense = tessera.batch_prefill(q.contiguous(), k.contiguous(), v.contiguous(), indptr, indptr, causal=True)
+    assert torch.equal(strided, dense)
+
+
+def test_prefill_device_index_arrays_and_explicit_stream():
+    q, k, v = rand((10, 4, 128), seed=8), rand((20, 4, 128), seed=9), rand((20, 4, 128), seed=10)
+    qo, kv = np.array([0, 4, 10], np.int32), np.array([0, 9, 20], np.int32)
+    stream = torch.cuda.Stream()
+    with_host = tessera.batch_prefill(q, k, v, qo, kv)
+    dev = tessera.batch_prefill(q, k, v, torch.from_numpy(qo).cuda(), torch.from_numpy(kv).cuda())
+    given = tessera.batch_prefill(q, k, v, torch.from_numpy(qo).cuda(), torch.from_numpy(kv).cuda(),
+                                  host_qo_indptr=qo, host_kv_indptr=kv)
+    stream.wait_stream(torch.cuda.current_stream())
+    on_stream = tessera.batch_prefill(q, k, v, qo, kv, stream=stream)
+    stream.synchronize()
+    assert torch.equal(with_host, dev) and torch.equal(with_host, given) and torch.equal(with_host, on_stream)
+
+
+def make_paged(k, v, kv_lens, page_size, layout, combined, seed=11):
+    """Scatters ragged K/V rows into randomly numbered pages. Returns the cache tensors and the
+    host page table."""
+    rng = np.random.default_rng(seed)
+    pages = [(n + page_size - 1) // page_size for n in kv_lens]
+    num_pages = sum(pages) + 3
+    ids = rng.permutation(num_pages)[:sum(pages)].astype(np.int32)
+    hkv, d = k.shape[1], k.shape[2]
+    shape = (num_pages, page_size, hkv, d) if layout == "NHD" else (num_pages, hkv, page_size, d)
+    kv_cache = rand((num_pages, 2) + shape[1:], seed=seed)
+    k_pages, v_pages = kv_cache[:, 0], kv_cache[:, 1]
+    row, at = 0, 0
+    for n, p in zip(kv_lens, pages):
+        for t in range(n):
+            page, slot = ids[at + t // page_size], t % page_size
+            if layout == "NHD":
+                k_pages[page, slot], v_pages[page, slot] = k[row + t], v[row + t]
+            else:
+                k_pages[page, :, slot], v_pages[page, :, slot] = k[row + t], v[row + t]
+        row, at = row + n, at + p
+    last = np.array([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)], np.int32)
+    indptr = lengths_to_indptr(pages)
+    cache = (kv_cache, None) if combined else (k_pages, v_pages)
+    return cache, indptr, ids, last, num_pages
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("combined", [False, True])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_prefill_equals_ragged(layout, combined, page_size):
+    qo_lens, kv_lens = [3, 1, 20], [40, 1, 33]
+    qo, kv = lengths_to_indptr(qo_lens), lengths_to_indptr(kv_lens)
+    q, k, v = rand((qo[-1], 8, 128), seed=12), rand((kv[-1], 2, 128), seed=13), rand((kv[-1], 2, 128), seed=14)
+    (kp, vp), indptr, ids, last, _ = make_paged(k, v, kv_lens, page_size, layout, combined)
+    paged = tessera.batch_prefill_paged(q, qo, kp, vp, indptr, ids, last, layout=layout, causal=True)
+    o_ref, _ = ref.attention(host(q), host(k), host(v), qo, kv, causal=True)
+    o_naive, _ = ref.attention(host(q), host(k), host(v), qo, kv, causal=True, lowp="bf16")
+    ref.check_rule(host(paged), o_ref, ref.max_err(o_naive, o_ref), 1e-4, "o")
+
+
+def test_append_paged_kv_writes_the_new_rows_and_nothing_else():
+    page_size, hkv, d = 4, 2, 128
+    kv_lens_after, new = [6, 9], [2, 5]
+    pages = [(n + page_size - 1) // page_size for n in kv_lens_after]
+    num_pages = sum(pages) + 2
+    kv_cache = rand((num_pages, 2, page_size, hkv, d), seed=14)
+    expected = kv_cache.clone()
+    ids = np.array([4, 0, 2, 1, 5], np.int32)
+    last = np.array([n - (p - 1) * page_size for n, p in zip(kv_lens_after, pages)], np.int32)
+    k_new, v_new = rand((sum(new), hkv, d), seed=15), rand((sum(new), hkv, d), seed=16)
+    row, at = 0, 0
+    for n_after, n_new, p in zip(kv_lens_after, new, pages):
+        for j in range(n_new):
+            pos = n_after - n_new + j
+            page, slot = ids[at + pos // page_size], pos % page_size
+            expected[page, 0, slot], expected[page, 1, slot] = k_new[row + j], v_new[row + j]
+        row, at = row + n_new, at + p
+    tessera.append_paged_kv(kv_cache, None, lengths_to_indptr(pages), ids, last, lengths_to_indptr(new), k_new, v_new)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_merge_state_and_merge_states_match_fp64():
+    rows, heads, d = 33, 4, 128
+    o_a, o_b = rand((rows, heads, d), "float32", 17), rand((rows, heads, d), "float32", 18)
+    s_a, s_b = rand((rows, heads), "float32", 19, 3.0), rand((rows, heads), "float32", 20, 3.0)
+    s_b[0] = float("-inf")
+    o, s = tessera.merge_state(o_a, s_a, o_b, s_b, out_dtype="bf16")
+    o_ref, s_ref = ref.merge(host(o_a), host(s_a), host(o_b), host(s_b))
+    assert o.dtype == torch.bfloat16
+    assert ref.max_err(host(o), o_ref) <= 2 * ref.max_err(ref.round_mantissa(o_ref, 7), o_ref) + 1e-6
+    assert ref.max_err(host(s), s_ref) <= 1e-5
+    parts, s_parts = torch.stack([o_a, o_b], dim=1), torch.stack([s_a, s_b], dim=1)
+    o_n, s_n = tessera.merge_states(parts, s_parts)
+    assert ref.max_err(host(o_n), o_ref) <= 1e-5 and ref.max_err(host(s_n), s_ref) <= 1e-5
+    o_ip, s_ip = o_a.clone(), s_a.clone()
+    tessera.merge_state_in_place(o_ip, s_ip, o_b, s_b)
+    assert ref.max_err(host(o_ip), o_ref) <= 1e-5
+
+
+# ---- decode -------------------------------------------------------------------------------------------
+
+def decode_problem(kv_lens, qo_lens, page_size=16, hq=32, hkv=8, d=128, seed=21, layout="NHD"):
+    kv = lengths_to_indptr(kv_lens)
+    k, v = rand((kv[-1], hkv, d), seed=seed), rand((kv[-1], hkv, d), seed=seed + 1)
+    (kv_cache, _), indptr, ids, last, num_pages = make_paged(k, v, kv_lens, page_size, layout, True, seed)
+    qo = lengths_to_indptr(qo_lens)
+    q = rand((qo[-1], hq, d), seed=seed + 2)
+    o_ref, lse_ref = ref.attention(host(q), host(k), host(v), qo, kv, causal=True)
+    o_naive, _ = ref.attention(host(q), host(k), host(v), qo, kv, causal=True, lowp="bf16")
+    return dict(q=q, kv_cache=kv_cache, qo=qo, indptr=indptr, ids=ids, last=last, num_pages=num_pages,
+                o_ref=o_ref, lse_ref=lse_ref, naive=ref.max_err(o_naive, o_ref))
+
+
+def decoder_for(max_batch=8, max_qo_len=4, page_size=16, kv_indices_capacity=0):
+    cfg = tessera.DecodeConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=page_size,
+                               dtype="bf16", max_batch_size=max_batch, max_qo_len=max_qo_len)
+    return tessera.BatchDecoder(cfg, kv_indices_capacity=kv_indices_capacity)
+
+
+@pytest.mark.parametrize("qo_lens", [[1, 1, 1, 1], [1, 3, 4, 2]])
+def test_decoder_plan_run_matches_reference(qo_lens):
+    p = decode_problem([1, 37, 300, 2000], qo_lens)
+    dec = decoder_for()
+    dec.plan(p["qo"], p["indptr"], p["ids"], p["last"], num_pages=p["num_pages"])
+    o, lse = dec.run(p["q"], p["kv_cache"], return_lse=True)
+    ref.check_rule(host(o), p["o_ref"], p["naive"], 1e-4, "o")
+    ref.check_rule(host(lse), p["lse_ref"], 0.0, 2e-4, "lse")
+    assert dec.last_plan.num_work_items >= 1
+
+
+def test_decoder_cuda_graph_replays_later_steps():
+    max_batch, rows = 4, 4
+    dec = decoder_for(max_batch=max_batch, max_qo_len=1, kv_indices_capacity=512)
+    steps = [decode_problem([5, 100, 40, 1], [1] * 4, seed=30), decode_problem([300, 17, 1000, 64], [1] * 4, seed=40),
+             decode_problem([2, 2], [1, 1], seed=50)]
+    num_pages = max(s["num_pages"] for s in steps)
+    q_buf = torch.zeros((rows, 32, 128), dtype=torch.bfloat16, device="cuda")
+    cache_buf = torch.zeros((num_pages, 2, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros_like(q_buf)
+
+    def load(step):
+        q_buf[:step["q"].shape[0]].copy_(step["q"])
+        cache_buf[:step["kv_cache"].shape[0]].copy_(step["kv_cache"])
+        dec.plan(step["qo"], step["indptr"], step["ids"], step["last"], num_pages=num_pages)
+
+    load(steps[0])
+    dec.run(q_buf, cache_buf, out=out)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run(q_buf, cache_buf, out=out)
+    for step in steps:
+        load(step)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = step["q"].shape[0]
+        ref.check_rule(host(out[:n]), step["o_ref"], step["naive"], 1e-4, "o")
+    with pytest.raises(tessera.Error, match="num_pages"):
+        dec.plan(steps[0]["qo"], steps[0]["indptr"], steps[0]["ids"], steps[0]["last"])
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    p = decode_problem([50, 200], [1, 1], seed=60)
+    dec = decoder_for(max_batch=2, max_qo_len=1)
+    dec.plan(p["qo"], p["indptr"], p["ids"], p["last"], num_pages=p["num_pages"])
+    q, k, v = rand((64, 8, 128), seed=61), rand((64, 2, 128), seed=62), rand((64, 2, 128), seed=63)
+    qo = torch.tensor([0, 30, 64], dtype=torch.int32)
+
+    def block(q, k, v, qo, q_dec, kv_cache):
+        o = tessera.batch_prefill(q, k, v, qo, qo, causal=True)
+        d = dec.run(q_dec, kv_cache)
+        return o * 2, d + 1
+
+    eager = block(q, k, v, qo, p["q"], p["kv_cache"])
+    compiled = torch.compile(block, fullgraph=True)(q, k, v, qo, p["q"], p["kv_cache"])
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_torch_library_opcheck():
+    q, k, v = rand((16, 4, 128), seed=70), rand((16, 4, 128), seed=71), rand((16, 4, 128), seed=72)
+    qo = torch.tensor([0, 16], dtype=torch.int32)
+    args = (q, k, v, qo.cuda(), qo.cuda(), qo, qo, torch.empty_like(q), None, True, -1, 0.0, 0.0, 0, -1)
+    torch.library.opcheck(torch.ops.tessera.batch_prefill.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_dlpack_fast_path_equals_generic_path():
+    x = rand((6, 8, 128), seed=73)[:, 2:6]
+    from tessera import _tessera
+    assert _tessera.view_description(x) == _tessera.view_description(torch.utils.dlpack.to_dlpack(x))
+
+
+def test_cupy_round_trip():
+    cupy = pytest.importorskip("cupy")
+    o_a, o_b = cupy.random.standard_normal((8, 2, 64), dtype=cupy.float32), cupy.random.standard_normal((8, 2, 64), dtype=cupy.float32)
+    s_a, s_b = cupy.random.standard_normal((8, 2), dtype=cupy.float32), cupy.random.standard_normal((8, 2), dtype=cupy.float32)
+    o, s = tessera.merge_state(o_a, s_a, o_b, s_b, stream=cupy.cuda.get_current_stream())
+    o, s = cupy.from_dlpack(o), cupy.from_dlpack(s)
+    o_ref, s_ref = ref.merge(*(cupy.asnumpy(x).astype(np.float64) for x in (o_a, s_a, o_b, s_b)))
+    assert ref.max_err(cupy.asnumpy(o), o_ref) <= 1e-5 and ref.max_err(cupy.asnumpy(s), s_ref) <= 1e-5
+
+
+def test_jax_round_trip():
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU device here")
+    import jax.numpy as jnp
+    key = jax.random.PRNGKey(0)
+    o_a, o_b = jax.random.normal(key, (8, 2, 64), jnp.float32), jax.random.normal(jax.random.PRNGKey(1), (8, 2, 64), jnp.float32)
+    s_a, s_b = jax.random.normal(jax.random.PRNGKey(2), (8, 2), jnp.float32), jax.random.normal(jax.random.PRNGKey(3), (8, 2), jnp.float32)
+    for x in (o_a, o_b, s_a, s_b):
+        x.block_until_ready()
+    o, s = tessera.merge_state(o_a, s_a, o_b, s_b)
+    tessera._tessera.stream_synchronize(0)
+    o_ref, s_ref = ref.merge(*(np.asarray(x, np.float64) for x in (o_a, s_a, o_b, s_b)))
+    assert ref.max_err(np.asarray(jnp.from_dlpack(o)), o_ref) <= 1e-5
+
+
+def test_python_overhead_of_decoder_run_is_under_10us():
+    """Host time per run() through Python against the C++ call, both timed while a spin kernel
+    holds the GPU (the launches queue up instead of waiting for the GPU): see
+    bench/python_overhead.py, which this test runs."""
+    r = run_python([os.path.join(REPO, "bench", "python_overhead.py"), "--repeats", "5"])
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,293 @@
+"""Validation errors surface as tessera.Error with the library's message, naming the entry point,
+the argument and the rule, and nothing is written. Runs on CPU-only machines (device tensors are
+NumPy memory labelled CUDA, see conftest.py) and against the real kernels on a GPU machine."""
+import numpy as np
+import pytest
+
+import tessera
+from conftest import HAVE_GPU, requires_no_gpu
+
+POISON = 7.0
+HEAD_DIM = 128  # compiled in every build (TESSERA_HEAD_DIMS narrows to a subset containing it in CI)
+
+
+def expect_error(fn, entry, arg, rule_part):
+    with pytest.raises(tessera.Error) as e:
+        fn()
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert msg.startswith("tessera::%s: argument '%s': " % (entry, arg)), msg
+    assert rule_part in msg, msg
+    return msg
+
+
+def expect_gpu_stage(fn):
+    """Without a GPU a fully valid call gets through validation and fails at its first GPU step;
+    with one it runs."""
+    if HAVE_GPU:
+        fn()
+        return
+    with pytest.raises(tessera.Error) as e:
+        fn()
+    msg = str(e.value)
+    assert "argument" not in msg and ("no GPU" in msg or "CUDA" in msg), msg
+
+
+class Ragged:
+    """A small valid ragged prefill problem: 2 requests, qo_len 3 / 5, kv_len 7 / 5, GQA 4 / 2."""
+
+    def __init__(self, dev, dtype="bf16", hq=4, hkv=2, d=HEAD_DIM):
+        self.dev = dev
+        self.qo = np.array([0, 3, 8], np.int32)
+        self.kv = np.array([0, 7, 12], np.int32)
+        self.q = dev.randn((8, hq, d), dtype, seed=1)
+        self.k = dev.randn((12, hkv, d), dtype, seed=2)
+        self.v = dev.randn((12, hkv, d), dtype, seed=3)
+        self.o = dev.full((8, hq, d), POISON, dtype)
+        self.lse = dev.full((8, hq), POISON, "fp32")
+
+    def call(self, **kw):
+        args = dict(q=self.q, k=self.k, v=self.v, qo_indptr=self.dev.indices(self.qo),
+                    kv_indptr=self.dev.indices(self.kv), host_qo_indptr=self.qo, host_kv_indptr=self.kv,
+                    out=self.o, lse=self.lse)
+        args.update(kw)
+        return lambda: tessera.batch_prefill(**args)
+
+    def untouched(self):
+        assert np.all(self.dev.to_numpy(self.o) == POISON)
+        assert np.all(self.dev.to_numpy(self.lse) == POISON)
+
+
+def test_prefill_valid_arguments_pass_validation(dev):
+    p = Ragged(dev)
+    expect_gpu_stage(p.call())
+    expect_gpu_stage(p.call(causal=True, window_left=2, soft_cap=30.0, scale=0.1))
+
+
+def test_prefill_dtype_rules(dev):
+    p = Ragged(dev)
+    expect_error(p.call(q=dev.randn((8, 4, HEAD_DIM), "fp32")), "batch_prefill", "q", "dtype must be bf16 or fp16, got fp32")
+    expect_error(p.call(k=dev.randn((12, 2, HEAD_DIM), "fp16")), "batch_prefill", "k", "dtype must be bf16, got fp16")
+    expect_error(p.call(q=dev.randn((8, 4, HEAD_DIM), "fp64")), "batch_prefill", "q", "dtype float64 is not supported")
+    expect_error(p.call(lse=dev.full((8, 4), 0, "bf16")), "batch_prefill", "lse", "dtype must be fp32")
+    p.untouched()
+
+
+def test_prefill_shape_and_head_rules(dev):
+    p = Ragged(dev)
+    expect_error(p.call(q=dev.randn((8, 4), "bf16")), "batch_prefill", "q", "must have rank 3")
+    expect_error(p.call(k=dev.randn((12, 2, 64), "bf16"), v=dev.randn((12, 2, 64), "bf16")),
+                 "batch_prefill", "k", "head_dim 64 must equal q's head_dim %d" % HEAD_DIM)
+    expect_error(p.call(k=dev.randn((12, 3, HEAD_DIM), "bf16"), v=dev.randn((12, 3, HEAD_DIM), "bf16")),
+                 "batch_prefill", "num_qo_heads", "must be a multiple of num_kv_heads")
+    expect_error(p.call(v=dev.randn((11, 2, HEAD_DIM), "bf16")), "batch_prefill", "v", "must equal the shape of 'k'")
+    expect_error(p.call(lse=dev.full((8, 3), 0, "fp32")), "batch_prefill", "lse", "must be [total_q, num_qo_heads]")
+    p.untouched()
+
+
+def test_prefill_stride_rules(dev):
+    p = Ragged(dev)
+    wide = dev.randn((8, 4, 2 * HEAD_DIM), "bf16")
+    expect_error(p.call(q=wide[:, :, ::2]), "batch_prefill", "q", "the last dim (head_dim) must be contiguous")
+    odd = dev.randn((8, 4, HEAD_DIM + 4), "bf16")
+    expect_error(p.call(q=odd[:, :, :HEAD_DIM]), "batch_prefill", "q", "must be a multiple of 16 bytes")
+    expect_error(p.call(out=p.q), "batch_prefill", "o", "must not overlap 'q'")
+    p.untouched()
+
+
+def test_prefill_strided_packed_qkv_is_accepted(dev):
+    # q, k and v as slices of one packed [tokens, (hq + 2 * hkv) * d] projection output
+    hq, hkv, d, tokens = 4, 2, HEAD_DIM, 8
+    qkv = dev.randn((tokens, (hq + 2 * hkv), d), "bf16", seed=9)
+    p = Ragged(dev)
+    qo = np.array([0, 3, 8], np.int32)
+    call = p.call(q=qkv[:, :hq], k=qkv[:, hq:hq + hkv], v=qkv[:, hq + hkv:], qo_indptr=dev.indices(qo),
+                  kv_indptr=dev.indices(qo), host_qo_indptr=qo, host_kv_indptr=qo)
+    expect_gpu_stage(call)
+
+
+def test_prefill_index_rules(dev):
+    p = Ragged(dev)
+    bad = np.array([0, 5, 3], np.int32)
+    expect_error(p.call(qo_indptr=dev.indices(bad), host_qo_indptr=bad), "batch_prefill", "qo_indptr",
+                 "must be non-decreasing, but entry 2 (3) < entry 1 (5)")
+    start = np.array([1, 3, 8], np.int32)
+    expect_error(p.call(qo_indptr=dev.indices(start), host_qo_indptr=start), "batch_prefill", "qo_indptr",
+                 "must start at 0")
+    past = np.array([0, 7, 13], np.int32)
+    expect_error(p.call(kv_indptr=dev.indices(past), host_kv_indptr=past), "batch_prefill", "kv_indptr",
+                 "last entry 13 exceeds 12")
+    expect_error(p.call(kv_indptr=dev.tensor(p.kv.astype(np.int64), "int64")), "batch_prefill", "kv_indptr",
+                 "dtype int64 is not supported")
+    expect_error(p.call(host_qo_indptr=p.qo.astype(np.int64)), "batch_prefill", "host_qo_indptr",
+                 "dtype int64 is not supported")
+    expect_error(p.call(host_qo_indptr=np.array([0, 3], np.int32)), "batch_prefill", "host_qo_indptr",
+                 "has 2 entries but its device array has 3")
+    expect_error(p.call(host_qo_indptr=np.array([0, 0, 3, 0, 8, 0], np.int32)[::2]), "batch_prefill",
+                 "host_qo_indptr", "must be contiguous")
+    expect_error(p.call(host_qo_indptr=p.q), "batch_prefill", "host_qo_indptr", "must be in host memory")
+    expect_error(p.call(qo_indptr=p.qo, host_qo_indptr=p.qo), "batch_prefill", "host_qo_indptr",
+                 "'qo_indptr' is on the host too")
+    p.untouched()
+
+
+def test_prefill_variant_and_path_rules(dev):
+    p = Ragged(dev)
+    expect_error(p.call(window_left=-2), "batch_prefill", "window_left", "must be -1 (no window) or >= 0")
+    expect_error(p.call(soft_cap=-1.0), "batch_prefill", "soft_cap", "must be finite and >= 0")
+    expect_error(p.call(scale=float("nan")), "batch_prefill", "scale", "must be finite and >= 0")
+    expect_error(p.call(path="fastest"), "batch_prefill", "path", "must be 'auto', 'portable' or 'hopper'")
+    p.untouched()
+
+
+def test_host_memory_tensor_is_rejected_by_device(dev):
+    p = Ragged(dev)
+    host_q = np.zeros((8, 4, HEAD_DIM), np.float16)  # NumPy through DLPack: CPU memory
+    expect_error(p.call(q=host_q, k=dev.randn((12, 2, HEAD_DIM), "fp16"), v=dev.randn((12, 2, HEAD_DIM), "fp16"),
+                        out=dev.full((8, 4, HEAD_DIM), POISON, "fp16")),
+                 "batch_prefill", "q", "must be in device memory")
+    p.untouched()
+
+
+class Paged:
+    """A valid paged problem: page_size 4, 6 pages, requests of 7 and 5 tokens."""
+
+    def __init__(self, dev, layout="NHD", combined=False, dtype="bf16", hq=4, hkv=2, d=HEAD_DIM):
+        self.dev, self.layout = dev, layout
+        self.page_size, self.num_pages = 4, 6
+        shape = (self.num_pages, self.page_size, hkv, d) if layout == "NHD" else (self.num_pages, hkv, self.page_size, d)
+        if combined:
+            self.kv = dev.randn((self.num_pages, 2) + shape[1:], dtype, seed=4)
+            self.k_pages, self.v_pages = self.kv, None
+        else:
+            self.k_pages, self.v_pages = dev.randn(shape, dtype, seed=4), dev.randn(shape, dtype, seed=5)
+        self.indptr = np.array([0, 2, 4], np.int32)
+        self.indices = np.array([5, 0, 3, 1], np.int32)
+        self.last = np.array([3, 1], np.int32)
+        self.qo = np.array([0, 3, 8], np.int32)
+        self.q = dev.randn((8, hq, d), dtype, seed=6)
+        self.o = dev.full((8, hq, d), POISON, dtype)
+
+    def table(self, **kw):
+        t = dict(kv_indptr=self.dev.indices(self.indptr), kv_indices=self.dev.indices(self.indices),
+                 kv_last_page_len=self.dev.indices(self.last), host_kv_indptr=self.indptr,
+                 host_kv_indices=self.indices, host_kv_last_page_len=self.last)
+        t.update(kw)
+        return t
+
+    def prefill(self, **kw):
+        args = dict(q=self.q, qo_indptr=self.dev.indices(self.qo), host_qo_indptr=self.qo,
+                    k_pages=self.k_pages, v_pages=self.v_pages, layout=self.layout, out=self.o)
+        args.update(self.table(**{k: v for k, v in kw.items() if "kv_" in k}))
+        args.update({k: v for k, v in kw.items() if "kv_" not in k})
+        return lambda: tessera.batch_prefill_paged(**args)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("combined", [False, True])
+def test_paged_prefill_valid_layouts(dev, layout, combined):
+    p = Paged(dev, layout, combined)
+    expect_gpu_stage(p.prefill())
+
+
+def test_paged_prefill_page_table_rules(dev):
+    p = Paged(dev)
+    bad = np.array([5, 0, 3, 6], np.int32)
+    expect_error(p.prefill(kv_indices=dev.indices(bad), host_kv_indices=bad), "batch_prefill_paged",
+                 "kv_indices", "page id 6 at index 3 is outside the cache's 6 pages")
+    last = np.array([3, 5], np.int32)
+    expect_error(p.prefill(kv_last_page_len=dev.indices(last), host_kv_last_page_len=last),
+                 "batch_prefill_paged", "kv_last_page_len", "value 5 at index 1 is outside 1..4")
+    indptr = np.array([0, 3, 2], np.int32)
+    expect_error(p.prefill(kv_indptr=dev.indices(indptr), host_kv_indptr=indptr), "batch_prefill_paged",
+                 "kv_indptr", "must be non-decreasing")
+    expect_error(p.prefill(layout="NDH"), "batch_prefill_paged", "layout", "must be 'NHD' or 'HND'")
+    assert np.all(dev.to_numpy(p.o) == POISON)
+
+
+def test_combined_cache_shape_rule(dev):
+    p = Paged(dev)
+    three = dev.randn((6, 3, 4, 2, HEAD_DIM), "bf16")
+    expect_error(p.prefill(k_pages=three, v_pages=None), "batch_prefill_paged", "kv_cache",
+                 "a combined cache (v_pages None) must be [num_pages, 2, page_size")
+    assert np.all(dev.to_numpy(p.o) == POISON)
+
+
+def test_append_rules(dev):
+    p = Paged(dev)
+    new_rows = np.array([0, 2, 3], np.int32)  # 2 rows into request 0, 1 into request 1
+    k_new, v_new = dev.randn((3, 2, HEAD_DIM), "bf16", seed=7), dev.randn((3, 2, HEAD_DIM), "bf16", seed=8)
+    before = dev.to_numpy(p.k_pages).copy()
+
+    def append(**kw):
+        args = dict(k_pages=p.k_pages, v_pages=p.v_pages, append_indptr=dev.indices(new_rows),
+                    host_append_indptr=new_rows, k_new=k_new, v_new=v_new, layout="NHD")
+        args.update(p.table(**{k: v for k, v in kw.items() if "kv_" in k}))
+        args.update({k: v for k, v in kw.items() if "kv_" not in k})
+        return lambda: tessera.append_paged_kv(**args)
+
+    expect_gpu_stage(append())
+    too_many = np.array([0, 8, 9], np.int32)
+    expect_error(append(append_indptr=dev.indices(too_many), host_append_indptr=too_many,
+                        k_new=dev.randn((9, 2, HEAD_DIM), "bf16"), v_new=dev.randn((9, 2, HEAD_DIM), "bf16")),
+                 "append_paged_kv", "append_indptr", "request 0 appends 8 rows but its pages hold only 7 tokens")
+    same_page = np.array([5, 0, 3, 0], np.int32)  # both requests append into page 0
+    expect_error(append(kv_indices=dev.indices(same_page), host_kv_indices=same_page), "append_paged_kv",
+                 "kv_indices", "receives new rows twice")
+    expect_error(append(k_new=dev.randn((3, 2, 64), "bf16")), "append_paged_kv", "k_new",
+                 "dim 2 must equal head_dim of the cache")
+    if not HAVE_GPU:
+        assert np.array_equal(dev.to_numpy(p.k_pages), before)
+
+
+def test_merge_rules(dev):
+    o_a, o_b = dev.randn((5, 3, 64), "bf16", seed=1), dev.randn((5, 3, 64), "bf16", seed=2)
+    s_a, s_b = dev.randn((5, 3), "fp32", seed=3), dev.randn((5, 3), "fp32", seed=4)
+    out, s_out = dev.full((5, 3, 64), POISON, "bf16"), dev.full((5, 3), POISON, "fp32")
+    expect_gpu_stage(lambda: tessera.merge_state(o_a, s_a, o_b, s_b, out=out, s_out=s_out))
+    expect_error(lambda: tessera.merge_state(o_a, dev.randn((5, 3), "bf16"), o_b, s_b, out=out, s_out=s_out),
+                 "merge_state", "s_a", "dtype must be fp32")
+    expect_error(lambda: tessera.merge_state(o_a, s_a, o_b, dev.randn((5, 4), "fp32"), out=out, s_out=s_out),
+                 "merge_state", "s_b", "must equal the leading dims of 'o_b'")
+    o24 = dev.randn((5, 3, 24), "bf16")
+    expect_error(lambda: tessera.merge_state(o24, s_a, o24, s_b, out=dev.full((5, 3, 24), 0, "bf16"), s_out=s_out),
+                 "merge_state", "o_a", "head_dim must be one of 8, 16, 32, 64, 128, 256")
+    expect_error(lambda: tessera.merge_state(o_a, s_a, o_b, s_b, out=o_a, s_out=s_out), "merge_state",
+                 "o_out", "must not overlap 'o_a'")
+    expect_error(lambda: tessera.merge_state_in_place(o_a, s_a, o_b, dev.randn((5, 3, 1), "fp32")),
+                 "merge_state_in_place", "s_b", "must have rank 2")  # the library names in place's inputs a / b
+    parts, s_parts = dev.randn((5, 4, 3, 64), "fp32"), dev.randn((5, 4, 3), "fp32")
+    expect_gpu_stage(lambda: tessera.merge_states(parts, s_parts, out=out, s_out=s_out))
+    expect_error(lambda: tessera.merge_states(parts, s_parts, out=dev.full((5, 3, 64), 0, "fp32")[:, :2], s_out=s_out),
+                 "merge_states", "o_out", "must be [rows, heads, head_dim]")
+    if not HAVE_GPU:
+        assert np.all(dev.to_numpy(out) == POISON) and np.all(dev.to_numpy(s_out) == POISON)
+
+
+@pytest.mark.parametrize("field,value,rule", [
+    ("num_kv_heads", 3, "must be a multiple of num_kv_heads"),
+    ("head_dim", 96, "must be one of the compiled head dims"),
+    ("page_size", 0, "must be in 1..256, got 0"),
+    ("max_batch_size", 0, "must be >= 1, got 0"),
+    ("max_qo_len", 9, "must be in 1..8, got 9"),
+    ("window_left", -5, "must be -1 (no window) or >= 0"),
+    ("pipeline_stages", 4, "must be 0 (automatic), 2 or 3"),
+])
+def test_decoder_config_rules(field, value, rule):
+    cfg = dict(num_qo_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, max_batch_size=4)
+    cfg[field] = value
+    arg = "num_qo_heads" if field == "num_kv_heads" else field
+    expect_error(lambda: tessera.BatchDecoder(tessera.DecodeConfig(**cfg)), "BatchDecoder::workspace_bytes", arg, rule)
+
+
+def test_decoder_config_group_limit():
+    cfg = tessera.DecodeConfig(num_qo_heads=34, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, max_batch_size=4)
+    expect_error(lambda: tessera.BatchDecoder(cfg), "BatchDecoder::workspace_bytes", "num_qo_heads",
+                 "the GQA group num_qo_heads / num_kv_heads = 17 exceeds 16")
+
+
+@requires_no_gpu
+def test_decoder_without_gpu_says_so():
+    cfg = tessera.DecodeConfig(num_qo_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, max_batch_size=4)
+    with pytest.raises(tessera.Error, match="CUDA"):
+        tessera.BatchDecoder(cfg)
