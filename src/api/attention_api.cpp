@@ -273,7 +273,7 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.kv_rows = a.k.size(0);
   const int head_dim = static_cast<int>(a.q.size(2));
   if (path == AttentionPath::kHopper) {
-    kernels::sm90::launch_prefill_sm90(a.q.dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p),
+    kernels::sm90::launch_prefill_sm90(a.q.dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
                                        dispatch::sm_count(), stream);
   } else {
     kernels::launch_prefill_sm80(a.q.dtype, head_dim, p, stream);

@@ -256,31 +256,27 @@ void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* sched
   g_schedule_forced.store(schedule != nullptr);
 }
 
-kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p) {
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p, int head_dim) {
   if (g_schedule_forced.load()) return g_forced_schedule;
   using namespace kernels::sm90;
-  // Measured on the H200 (notes/prefill_hopper.md, "Schedules"):
-  // - causal up to 4K query rows: a persistent CTA takes a query tile and its mirror (equal cost
-  //   per turn): 1K 316 vs 261, 2K 408 vs 358 TFLOP/s against the one-tile grid;
-  // - causal beyond: one tile per CTA, heaviest first, the hardware balancing (8K 544 vs 523,
-  //   16K 593 vs 556 against the mirrored pairs);
-  // - non-causal with GQA: one tile per CTA over (query tile, request, head), so the query heads
-  //   of a group run together and share K / V in L2 (gqa4 8K 593 vs 544);
-  // - non-causal MHA: the persistent CTAs over each head's query tiles.
+  // Measured on the H200 (notes/prefill_hopper.md, "Schedules"; runs 3-6, which move by up to
+  // 10% between runs, so each rule rests on the cases where the runs agree):
+  // - causal, hd64 / hd128: a persistent CTA takes a query tile and its mirror (equal cost per
+  //   turn): 1K 316 vs 261, 2K 408 vs 358, 16K 606 vs 566, gqa4 16K 602 vs 546 TFLOP/s against
+  //   the one-tile grid;
+  // - causal, hd256: one tile per CTA, heaviest first, the hardware balancing (16K 662 vs 645,
+  //   and 663 vs 647 in another run);
+  // - non-causal: the persistent CTAs over each head's query tiles (gqa4 8K 621 vs 504 against the
+  //   one-tile grid; MHA even from 8K and ahead below: 1K 474 vs 413).
   PrefillSm90Schedule s;
-  if (p.causal) {
-    if (p.max_qo_len <= 4096) {
-      s.scheduler = SchedulerKind::kStaticPersistent;
-      s.order = TileOrder::kMirroredPairs;
-      s.run_length = 2;
-    } else {
-      s.scheduler = SchedulerKind::kSingleTile;
-      s.order = TileOrder::kQueryTilesOuter;
-      s.heavy_first = true;
-    }
-  } else if (p.num_qo_heads > p.num_kv_heads) {
+  if (p.causal && head_dim == 256) {
     s.scheduler = SchedulerKind::kSingleTile;
     s.order = TileOrder::kQueryTilesOuter;
+    s.heavy_first = true;
+  } else if (p.causal) {
+    s.scheduler = SchedulerKind::kStaticPersistent;
+    s.order = TileOrder::kMirroredPairs;
+    s.run_length = 2;
   } else {
     s.scheduler = SchedulerKind::kStaticPersistent;
     s.order = TileOrder::kQueryTilesInner;

@@ -45,7 +45,7 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 
 // The Hopper family's tile order and scheduler for a problem (the measured policy of
 // notes/prefill_hopper.md), unless a test or benchmark forced one (nullptr lifts it).
-kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params);
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim);
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
 
 // SMs of the current GPU (read once per device).

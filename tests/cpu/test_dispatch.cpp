@@ -107,3 +107,38 @@ TEST(FastDivisor, MatchesIntegerDivision) {
 }
 
 }  // namespace
+
+namespace tessera {
+namespace {
+
+// The Hopper family's schedule policy (notes/prefill_hopper.md, "Schedules").
+TEST(PrefillDispatch, HopperSchedulePolicy) {
+  using kernels::sm90::SchedulerKind;
+  using kernels::sm90::TileOrder;
+  kernels::PrefillParams p;
+  p.num_qo_heads = 32;
+  p.num_kv_heads = 8;
+  p.max_qo_len = 16384;
+  p.causal = true;
+  auto s = dispatch::choose_prefill_sm90_schedule(p, 128);
+  EXPECT_EQ(s.scheduler, SchedulerKind::kStaticPersistent);
+  EXPECT_EQ(s.order, TileOrder::kMirroredPairs);
+  EXPECT_EQ(s.run_length, 2);
+  s = dispatch::choose_prefill_sm90_schedule(p, 256);
+  EXPECT_EQ(s.scheduler, SchedulerKind::kSingleTile);
+  EXPECT_TRUE(s.heavy_first);
+  p.causal = false;
+  s = dispatch::choose_prefill_sm90_schedule(p, 128);
+  EXPECT_EQ(s.scheduler, SchedulerKind::kStaticPersistent);
+  EXPECT_EQ(s.order, TileOrder::kQueryTilesInner);
+  // A forced schedule wins until it is lifted.
+  kernels::sm90::PrefillSm90Schedule forced;
+  forced.scheduler = SchedulerKind::kSingleTile;
+  dispatch::force_prefill_sm90_schedule(&forced);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128).scheduler, SchedulerKind::kSingleTile);
+  dispatch::force_prefill_sm90_schedule(nullptr);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128).scheduler, SchedulerKind::kStaticPersistent);
+}
+
+}  // namespace
+}  // namespace tessera
