@@ -1,5 +1,7 @@
 #include "core/arg_check.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <utility>
 
@@ -17,12 +19,108 @@ std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
   if (t.numel() == 0) return {base, base};
   int64_t lo = 0, hi = 0;  // element offsets of the extreme elements
-  for (int i = 0; i < t.rank; ++i) {
-    const int64_t reach = (t.shape[i] - 1) * t.stride[i];
-    (reach < 0 ? lo : hi) += reach;
-  }
   const int64_t size = static_cast<int64_t>(dtype_size(t.dtype));
-  return {base + lo * size, base + (hi + 1) * size};
+  const std::pair<uintptr_t, uintptr_t> everything{0, UINTPTR_MAX};  // offsets past int64
+  for (int i = 0; i < t.rank; ++i) {
+    int64_t reach = 0;
+    if (__builtin_mul_overflow(t.shape[i] - 1, t.stride[i], &reach)) return everything;
+    int64_t& extreme = reach < 0 ? lo : hi;
+    if (__builtin_add_overflow(extreme, reach, &extreme)) return everything;
+  }
+  int64_t lo_bytes = 0, end_bytes = 0;
+  if (__builtin_mul_overflow(lo, size, &lo_bytes) || __builtin_add_overflow(hi, int64_t(1), &hi) ||
+      __builtin_mul_overflow(hi, size, &end_bytes)) {
+    return everything;
+  }
+  return {base + static_cast<uintptr_t>(lo_bytes), base + static_cast<uintptr_t>(end_bytes)};
+}
+
+namespace {
+
+// One dim of a view's element lattice: size > 1, stride > 0 (in elements).
+struct LatticeDim {
+  int64_t size, stride;
+};
+
+int64_t floor_div(int64_t a, int64_t b) {  // b > 0
+  const int64_t q = a / b;
+  return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }  // b > 0
+
+// The lattice of `t`: its dims of size > 1 and nonzero stride, negative strides flipped, sorted by
+// (stride, size); and the address of its lowest element. False when an offset overflows int64.
+bool lattice_of(const TensorView& t, LatticeDim* dims, int* count, uintptr_t* origin) {
+  int64_t lowest = 0;  // element offset of the lowest element from t.data
+  int n = 0;
+  for (int i = 0; i < t.rank; ++i) {
+    const int64_t size = t.shape[i], stride = t.stride[i];
+    if (size <= 1 || stride == 0) continue;
+    int64_t reach = 0;
+    if (stride == INT64_MIN || __builtin_mul_overflow(size - 1, stride, &reach)) return false;
+    if (stride < 0 && __builtin_add_overflow(lowest, reach, &lowest)) return false;
+    dims[n++] = {size, stride < 0 ? -stride : stride};
+  }
+  for (int k = 1; k < n; ++k) {  // insertion sort: at most kMaxRank dims
+    for (int j = k; j > 0 && (dims[j].stride < dims[j - 1].stride ||
+                              (dims[j].stride == dims[j - 1].stride && dims[j].size < dims[j - 1].size));
+         --j) {
+      std::swap(dims[j], dims[j - 1]);
+    }
+  }
+  int64_t lowest_bytes = 0;
+  if (__builtin_mul_overflow(lowest, static_cast<int64_t>(dtype_size(t.dtype)), &lowest_bytes)) return false;
+  *count = n;
+  *origin = reinterpret_cast<uintptr_t>(t.data) + static_cast<uintptr_t>(lowest_bytes);  // mod 2^64
+  return true;
+}
+
+// Whether r = sum_{i <= k} c_i * dims[i].stride for some |c_i| <= dims[i].size - 1, where reach[i]
+// is the largest such sum over dims 0..i. Exact; for a nested lattice (each stride > the reach of
+// the dims below) at most two c_k fit at each level, so at most 2^(k+1) leaves are visited.
+bool reachable(const LatticeDim* dims, const int64_t* reach, int k, int64_t r) {
+  if (k < 0) return r == 0;
+  if (r > reach[k] || r < -reach[k]) return false;
+  const int64_t stride = dims[k].stride, below = k > 0 ? reach[k - 1] : 0, top = dims[k].size - 1;
+  const int64_t lo = std::max(-top, ceil_div(r - below, stride));
+  const int64_t hi = std::min(top, floor_div(r + below, stride));
+  for (int64_t c = lo; c <= hi; ++c) {
+    if (reachable(dims, reach, k - 1, r - c * stride)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Overlap views_overlap(const TensorView& a, const TensorView& b) {
+  if (a.numel() == 0 || b.numel() == 0) return Overlap::kNone;
+  const auto sa = byte_span(a), sb = byte_span(b);
+  if (!(sa.first < sb.second && sb.first < sa.second)) return Overlap::kNone;
+  const int64_t elem = static_cast<int64_t>(dtype_size(a.dtype));
+  if (static_cast<int64_t>(dtype_size(b.dtype)) != elem) return Overlap::kUnknown;
+  LatticeDim da[TensorView::kMaxRank], db[TensorView::kMaxRank];
+  int na = 0, nb = 0;
+  uintptr_t oa = 0, ob = 0;
+  if (!lattice_of(a, da, &na, &oa) || !lattice_of(b, db, &nb, &ob) || na != nb) return Overlap::kUnknown;
+  int64_t reach[TensorView::kMaxRank];
+  for (int k = 0; k < na; ++k) {
+    if (da[k].size != db[k].size || da[k].stride != db[k].stride) return Overlap::kUnknown;
+    const int64_t below = k > 0 ? reach[k - 1] : 0;
+    if (da[k].stride <= below) return Overlap::kUnknown;  // not nested
+    int64_t span = 0;
+    if (__builtin_mul_overflow(da[k].size - 1, da[k].stride, &span) ||
+        __builtin_add_overflow(below, span, &reach[k]) || reach[k] > (int64_t(1) << 61)) {
+      return Overlap::kUnknown;
+    }
+  }
+  // b's elements are a's moved by d bytes. Element e of a and element f of b share a byte iff
+  // |(e - f) * elem - d| < elem: e - f is d / elem when elem divides d, else one of the two
+  // integers around d / elem.
+  const int64_t d = static_cast<int64_t>(ob - oa);
+  const int64_t q = floor_div(d, elem);
+  const bool exact = q * elem == d;
+  const bool shared = reachable(da, reach, na - 1, q) || (!exact && reachable(da, reach, na - 1, q + 1));
+  return shared ? Overlap::kShared : Overlap::kNone;
 }
 
 bool same_view(const TensorView& a, const TensorView& b) {
@@ -121,10 +219,14 @@ void ArgCheck::output_layout(const TensorView& t, const char* arg) const {
 
 void ArgCheck::disjoint(const TensorView& out, const char* out_name, const TensorView& in,
                         const char* in_name) const {
-  const auto a = byte_span(out), b = byte_span(in);
-  const bool overlap = a.first < b.second && b.first < a.second;
-  TESSERA_REQUIRE(*this, !overlap, out_name,
-                         std::string("must not overlap '") + in_name + "' (an output may not alias an input)");
+  const Overlap overlap = views_overlap(out, in);
+  if (overlap == Overlap::kNone) return;
+  fail(out_name, std::string("must not overlap '") + in_name + "' (an output may not alias an input)" +
+                     (overlap == Overlap::kShared
+                          ? ""
+                          : "; their byte ranges intersect and their layouts differ (or are not "
+                            "nested), so they cannot be proved disjoint: views of one buffer are "
+                            "accepted when they have the same shape and strides"));
 }
 
 void ArgCheck::index_array(const TensorView& t, const char* arg) const {

@@ -44,7 +44,7 @@ class ArgCheck {
   // An output written by several threads: every dim of size > 1 has a positive stride and no two
   // elements share an address (strides, sorted, each at least the extent of the dims below).
   void output_layout(const TensorView& t, const char* arg) const;
-  // `out` and `in` occupy disjoint byte ranges (checked on their spans, conservatively).
+  // `out` and `in` share no byte: see views_overlap for how far that is decided exactly.
   void disjoint(const TensorView& out, const char* out_name, const TensorView& in,
                 const char* in_name) const;
   // The strides of dims 0..2 of a 4-D page tensor fit in int32 (the kernels' per-row address
@@ -72,5 +72,25 @@ std::string shape_string(const TensorView& t);
 // First and one-past-last byte a view can touch (its span), for overlap checks.
 std::pair<uintptr_t, uintptr_t> byte_span(const TensorView& t);
 bool same_view(const TensorView& a, const TensorView& b);
+
+// Whether two views share a byte of some element.
+//   kNone: they do not (proved). kShared: they do (proved). kUnknown: not decided (treated as an
+//   overlap by the checks, so a layout outside the rule below is refused, never let through).
+// The rule, O(rank) plus at most 2^rank steps, and only when the byte spans intersect:
+//   - disjoint byte spans, or a view without elements: kNone;
+//   - the same element size and the same lattice: after flipping negative strides (which moves the
+//     origin to the lowest element) and dropping dims of size 1 or stride 0, the same multiset of
+//     (size, stride) pairs. Then b's elements are a's shifted by d bytes, and an element of each
+//     shares a byte iff some difference sum_k c_k * stride_k, |c_k| <= size_k - 1, lies within one
+//     element of d. When the lattice is nested (strides sorted ascending, each at least the extent
+//     1 + sum (size_i - 1) * stride_i of the dims below: what output_layout requires of every
+//     output, so an output and an input of its lattice are always decided; met by row-major
+//     tensors, their slices, and the K and V halves of a combined [num_pages, 2, ...] cache), a
+//     descent from the largest stride decides it exactly with at most two candidate c_k per dim:
+//     kNone or kShared;
+//   - anything else whose spans intersect (different shapes, strides or element sizes, a lattice
+//     that is not nested, offsets that overflow int64): kUnknown.
+enum class Overlap { kNone, kShared, kUnknown };
+Overlap views_overlap(const TensorView& a, const TensorView& b);
 
 }  // namespace tessera::detail

@@ -162,6 +162,37 @@ TEST(BadInputAppend, ValidProblemPassesValidation) {
   EXPECT_NO_THROW(p.run());
 }
 
+TEST(BadInputAppend, CombinedCache) {
+  // K and V interleaved in one [8, 2, 16, 4, 128] (NHD) or [8, 2, 4, 16, 128] (HND) buffer, split
+  // into two views with the same shape and strides, V one dim-1 step after K: they share the
+  // buffer but no element, and are accepted (zero new rows: full validation, no launch).
+  auto combined = [](AppendProblem& p, KVLayout layout) {
+    const int64_t a = layout == KVLayout::kNHD ? 16 : 4, b = layout == KVLayout::kNHD ? 4 : 16;
+    p.cache.layout = layout;
+    p.cache.k_pages = TensorView::strided(fake(), DType::kBF16, {8, a, b, 128}, {2 * a * b * 128, b * 128, 128, 1});
+    p.cache.v_pages = p.cache.k_pages;
+    p.cache.v_pages.data = fake(a * b * 128 * 2);
+  };
+  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+    AppendProblem p;
+    combined(p, layout);
+    p.append = {0, 0, 0};
+    p.k_new = TensorView::contiguous(fake(6 << 20), DType::kBF16, {0, 4, 128});
+    p.v_new = TensorView::contiguous(fake(7 << 20), DType::kBF16, {0, 4, 128});
+    EXPECT_NO_THROW(p.run()) << kv_layout_name(layout);
+  }
+  // V one page later (V's page i is K's page i + 1) shares elements.
+  AppendProblem q;
+  combined(q, KVLayout::kNHD);
+  q.cache.v_pages.data = fake(2 * 16 * 4 * 128 * 2);
+  expect_error([&] { q.run(); }, {"'v_pages'", "must not overlap 'k_pages'"});
+  // New rows inside the cache's buffer (other shapes: not decided, so refused).
+  AppendProblem r;
+  combined(r, KVLayout::kNHD);
+  r.k_new.data = fake(16 * 4 * 128 * 2 + 256);
+  expect_error([&] { r.run(); }, {"'k_pages'", "must not overlap 'k_new'"});
+}
+
 struct MergeProblem {
   TensorView o_a = TensorView::contiguous(fake(), DType::kBF16, {16, 4, 128});
   TensorView s_a = TensorView::contiguous(fake(1 << 20), DType::kFP32, {16, 4});
