@@ -66,8 +66,12 @@ nb::dlpack::dtype dlpack_dtype(DType d) {
   }
 }
 
-// A contiguous CUDA array of `shape`, exported through DLPack (any framework's from_dlpack takes it).
-nb::ndarray<> empty_device(const std::vector<int64_t>& shape, DType dtype, int device) {
+// A contiguous CUDA array of `shape`. It is returned as an object with __dlpack__ and
+// __dlpack_device__ (nanobind's array-API export), not as a bare DLPack capsule: a capsule can be
+// consumed once only, so one handed to a tessera call as `out` could not then be given to
+// cupy.from_dlpack, and jax.dlpack.from_dlpack takes no capsules at all. Each __dlpack__ call
+// makes a new capsule that keeps the buffer alive.
+nb::ndarray<nb::array_api> empty_device(const std::vector<int64_t>& shape, DType dtype, int device) {
   size_t count = 1;
   std::vector<size_t> dims;
   for (int64_t s : shape) {
@@ -77,8 +81,8 @@ nb::ndarray<> empty_device(const std::vector<int64_t>& shape, DType dtype, int d
   }
   nb::object owner = nb::cast(new DeviceBuffer(count * dtype_size(dtype), device), nb::rv_policy::take_ownership);
   void* data = reinterpret_cast<void*>(nb::cast<DeviceBuffer&>(owner).ptr());
-  return nb::ndarray<>(data, dims.size(), dims.data(), owner, nullptr, dlpack_dtype(dtype),
-                       nb::device::cuda::value, device);
+  return nb::ndarray<nb::array_api>(data, dims.size(), dims.data(), owner, nullptr, dlpack_dtype(dtype),
+                                    nb::device::cuda::value, device);
 }
 
 size_t contiguous_bytes(ArgConverter& conv, const TensorView& t, const char* arg) {
@@ -236,7 +240,8 @@ void bind_memory(nb::module_& m) {
       .def_prop_ro("device", &DeviceBuffer::device);
 
   m.def("empty", &empty_device, "shape"_a, "dtype"_a, "device"_a,
-        "A new contiguous CUDA array (uninitialised), exported through DLPack.");
+        "A new contiguous CUDA array (uninitialised): an object with __dlpack__ and "
+        "__dlpack_device__, which any framework's from_dlpack takes, as often as needed.");
   m.def(
       "tensor_info",
       [](nb::handle x, const std::string& entry, const std::string& arg) {

@@ -276,6 +276,25 @@ def test_dlpack_fast_path_equals_generic_path():
     assert _tessera.view_description(x) == _tessera.view_description(torch.utils.dlpack.to_dlpack(x))
 
 
+def test_tessera_arrays_export_through_dlpack_more_than_once():
+    """The arrays tessera allocates for non-torch inputs carry __dlpack__ / __dlpack_device__ (not
+    a bare capsule, which the first consumer uses up): a call may write one as `out`, and any
+    framework may then import it, as often as it likes."""
+    from tessera import _tessera
+    o = _tessera.empty([8, 2, 64], tessera.DType.FP32, 0)
+    assert hasattr(o, "__dlpack__") and tuple(o.__dlpack_device__()) == (2, 0)
+    o_a, o_b = rand((8, 2, 64), "float32", 80), rand((8, 2, 64), "float32", 81)
+    s_a, s_b = rand((8, 2), "float32", 82), rand((8, 2), "float32", 83)
+    out = tessera.merge_state(o_a, s_a, o_b, s_b, out=o)[0]
+    assert out is o
+    first, second = torch.from_dlpack(o), torch.from_dlpack(o)
+    assert first.data_ptr() == second.data_ptr() and tuple(first.shape) == (8, 2, 64)
+    tessera.merge_state(o_a, s_a, o_b, s_b, out=o)  # written again through a second import
+    torch.cuda.synchronize()
+    o_ref, _ = ref.merge(host(o_a), host(s_a), host(o_b), host(s_b))
+    assert ref.max_err(host(second), o_ref) <= 1e-5
+
+
 def test_cupy_round_trip():
     cupy = pytest.importorskip("cupy")
     o_a, o_b = cupy.random.standard_normal((8, 2, 64), dtype=cupy.float32), cupy.random.standard_normal((8, 2, 64), dtype=cupy.float32)

@@ -240,6 +240,26 @@ def test_append_rules(dev):
         assert np.array_equal(dev.to_numpy(p.k_pages), before)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_append_takes_the_combined_cache(dev, layout):
+    """K and V interleaved in one [num_pages, 2, ...] tensor (vLLM's and FlashInfer's layout): the
+    two halves share a buffer but no element, so append accepts them as prefill and decode do."""
+    p = Paged(dev, layout, combined=True)
+    new_rows = np.array([0, 2, 3], np.int32)
+    k_new, v_new = dev.randn((3, 2, HEAD_DIM), "bf16", seed=7), dev.randn((3, 2, HEAD_DIM), "bf16", seed=8)
+    expect_gpu_stage(lambda: tessera.append_paged_kv(p.kv, None, append_indptr=dev.indices(new_rows),
+                                                     host_append_indptr=new_rows, k_new=k_new, v_new=v_new,
+                                                     layout=layout, **p.table()))
+    # Two views of the same halves one page apart do share elements: refused, nothing written.
+    before = dev.to_numpy(p.kv).copy()
+    k_view, v_view = p.kv[1:, 0], p.kv[:-1, 0]
+    expect_error(lambda: tessera.append_paged_kv(k_view, v_view, append_indptr=dev.indices(new_rows),
+                                                 host_append_indptr=new_rows, k_new=k_new, v_new=v_new,
+                                                 layout=layout, **p.table()),
+                 "append_paged_kv", "v_pages", "must not overlap 'k_pages'")
+    assert np.array_equal(dev.to_numpy(p.kv), before)
+
+
 def test_merge_rules(dev):
     o_a, o_b = dev.randn((5, 3, 64), "bf16", seed=1), dev.randn((5, 3, 64), "bf16", seed=2)
     s_a, s_b = dev.randn((5, 3), "fp32", seed=3), dev.randn((5, 3), "fp32", seed=4)
