@@ -18,7 +18,9 @@
 #include "core/once_per_device.h"
 #include "kernels/attention/common/logits.cuh"
 #include "kernels/attention/common/mask.cuh"
+#include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/portable/kv_source_sm80.cuh"
+#include "kernels/attention/portable/row_softmax_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
 
@@ -77,17 +79,6 @@ struct PrefillConfig {
   // shape is even with it (285.6 vs 288.0 at 8K, 292.3 vs 292.0 at 16K causal), so it keeps the branch.
   static constexpr bool kRescaleEveryTile = kHeadDim == 64 || kWide;
 };
-
-// op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
-template <int kN, typename Leaf, typename Op>
-__device__ __forceinline__ float tree_reduce(Leaf leaf, Op op) {
-  static_assert(kN > 0 && (kN & (kN - 1)) == 0, "a power of two");
-  if constexpr (kN == 1) {
-    return leaf(0);
-  } else {
-    return op(tree_reduce<kN / 2>(leaf, op), tree_reduce<kN / 2>([&](int j) { return leaf(j + kN / 2); }, op));
-  }
-}
 
 using kernels::MaskBand;
 
@@ -181,14 +172,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int first_tile = n_begin / kBlockN;
   const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
 
-  float o_acc[kMTiles][kODTiles][4] = {};
-  float row_max[kMTiles][2];  // log2 units
-  float row_sum[kMTiles][2];  // this lane's partial sums; reduced over the row's 4 lanes at the end
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    row_max[mt][0] = row_max[mt][1] = -INFINITY;
-    row_sum[mt][0] = row_sum[mt][1] = 0.f;
-  }
+  AccTile<kODims> o[kMTiles] = {};  // this warp's unnormalised O: its rows, its head dims
+  RowSoftmax<kMTiles, Config::kTreeRowReductions, Config::kTreeRowReductions> softmax;
+  auto& row_max = softmax.row_max;
+  auto& row_sum = softmax.row_sum;
 
   load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
   if (first_tile < end_tile) {
@@ -227,7 +214,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 
     // S = Q K^T over this warp's keys: each K fragment read from shared memory serves all kMTiles
     // row tiles.
-    float s[kMTiles][kSNTiles][4] = {};
+    AccTile<kSKeys> s[kMTiles] = {};
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       uint32_t a[kMTiles][4];
@@ -239,8 +226,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
         ldmatrix_x4(b, k_lane.at(half * kSKeys + np * 16, ks));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma_16816<T>(s[mt].v[2 * np], a[mt], b[0], b[1]);
+          mma_16816<T>(s[mt].v[2 * np + 1], a[mt], b[2], b[3]);
         }
       }
     }
@@ -249,11 +236,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     // pay for the per-element test.
     if constexpr (!Logits::kIdentity) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][j][e] = logits(s[mt][j][e]);
+      for (int mt = 0; mt < kMTiles; ++mt) for_each(s[mt], [&](float& x, int, int, int) { x = logits(x); });
     }
     const bool needs_mask = n0 + kBlockN > kv_len ||
                             (p.causal && n0 + kBlockN - 1 > m0 + band.offset) ||
@@ -267,7 +250,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
           for (int e = 0; e < 4; ++e) {
             const int key = n0 + half * kSKeys + j * 8 + 2 * t + (e & 1);
             const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
-            if (!band.visible(row, key)) s[mt][j][e] = -INFINITY;
+            if (!band.visible(row, key)) s[mt].v[j][e] = -INFINITY;
           }
         }
       }
@@ -275,18 +258,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 
     // Online softmax: new row maxima (the 4 lanes of a row share them; a pair exchanges its two
     // key halves' through shared memory), rescale what came before.
-    auto tile_row_max = [&](int mt, int r) {
-      auto lane_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
-      float m = row_max[mt][r];
-      if constexpr (Config::kTreeRowReductions) {
-        m = fmaxf(m, tree_reduce<kSNTiles>(lane_max, [](float a, float b) { return fmaxf(a, b); }));
-      } else {
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j) m = fmaxf(m, lane_max(j));
-      }
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    };
     float pair_max[kMTiles][2];
     if constexpr (Config::kWarpPairs) {
       // The partner read the previous tile's values before the pair's last barrier.
@@ -294,7 +265,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          pair_max[mt][r] = tile_row_max(mt, r);
+          pair_max[mt][r] = softmax.tile_max(s[mt], mt, r);
           if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = pair_max[mt][r];
         }
       }
@@ -305,47 +276,19 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
         for (int r = 0; r < 2; ++r)
           pair_max[mt][r] = fmaxf(pair_max[mt][r], exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r]);
     }
+    auto new_max = [&](int mt, int r) { return Config::kWarpPairs ? pair_max[mt][r] : softmax.tile_max(s[mt], mt, r); };
     float rescale[kMTiles][2];
     bool max_moved = false;
-    // The row's new maximum m: its O and sum rescale factor, and whether it moved.
-    auto update_max = [&](int mt, int r, float m) {
-      // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
-      const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
-      rescale[mt][r] = exp2_approx(row_max[mt][r] * logits.log2_scale - m_scaled);
-      max_moved |= m > row_max[mt][r];
-      row_max[mt][r] = m;
-      return m_scaled;
-    };
-    // P = 2^(S log2_scale - m_scaled) in place, and the row sum.
-    auto exponentiate = [&](int mt, int r, float m_scaled) {
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kSNTiles; ++j) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[mt][j][e] = exp2_approx(fmaf(s[mt][j][e], logits.log2_scale, -m_scaled));
-          if constexpr (!Config::kTreeRowReductions) sum += s[mt][j][e];
-        }
-      }
-      if constexpr (Config::kTreeRowReductions) {
-        sum = tree_reduce<kSNTiles>([&](int j) { return s[mt][j][2 * r] + s[mt][j][2 * r + 1]; },
-                                   [](float a, float b) { return a + b; });
-      }
-      row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + sum;
-    };
     // A row whose maximum did not move has rescale exactly 1 (ex2 of 0): O is rescaled only when
     // some row of the warp moved, which after the first tiles is rare (or on every tile:
     // kRescaleEveryTile). Results are bitwise those of rescaling always.
     auto rescale_o = [&] {
       if (Config::kRescaleEveryTile || __any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int d = 0; d < kODTiles; ++d)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o_acc[mt][d][e] *= rescale[mt][e / 2];
+        for (int mt = 0; mt < kMTiles; ++mt) mul_row(o[mt], rescale[mt]);
       }
     };
+    const float log2_scale = logits.log2_scale;
     if constexpr (Config::kExponentialsAfterKeyRequest) {
       // Maxima, O rescale and K(tile + 1)'s request first: the exponentials and O += P V then
       // share one basic block (no branch or barrier between them) that the compiler interleaves.
@@ -354,19 +297,21 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          m_scaled[mt][r] = update_max(mt, r, Config::kWarpPairs ? pair_max[mt][r] : tile_row_max(mt, r));
+          m_scaled[mt][r] = softmax.update_max(mt, r, new_max(mt, r), log2_scale, rescale[mt][r], max_moved);
       rescale_o();
       request_next_keys(tile);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) exponentiate(mt, r, m_scaled[mt][r]);
+        for (int r = 0; r < 2; ++r) softmax.exponentiate(s[mt], mt, r, log2_scale, m_scaled[mt][r], rescale[mt][r]);
     } else {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          exponentiate(mt, r, update_max(mt, r, Config::kWarpPairs ? pair_max[mt][r] : tile_row_max(mt, r)));
+          softmax.exponentiate(s[mt], mt, r, log2_scale,
+                               softmax.update_max(mt, r, new_max(mt, r), log2_scale, rescale[mt][r], max_moved),
+                               rescale[mt][r]);
       rescale_o();
       request_next_keys(tile);
     }
@@ -381,7 +326,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
             *reinterpret_cast<uint32_t*>(p_store[j] + (tile_row(mt) + 8 * r) * kBlockN) =
-                pack2<T>(s[mt][j][2 * r], s[mt][j][2 * r + 1]);
+                pack2<T>(s[mt].v[j][2 * r], s[mt].v[j][2 * r + 1]);
     }
     auto accumulate_pv = [&](const uint32_t (&a)[kMTiles][4], int key0) {
 #pragma unroll
@@ -390,8 +335,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
         ldmatrix_x4_trans(b, v_lane.at(key0, dp));
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(o_acc[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_16816<T>(o_acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          mma_16816<T>(o[mt].v[2 * dp], a[mt], b[0], b[1]);
+          mma_16816<T>(o[mt].v[2 * dp + 1], a[mt], b[2], b[3]);
         }
       }
     };
@@ -400,10 +345,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+        a_fragment<T>(s[mt], ks, a[mt]);
       }
       accumulate_pv(a, half * kSKeys + ks * 16);
     }
@@ -462,7 +404,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
 #pragma unroll
       for (int d = 0; d < kODTiles; ++d) {
         *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
-            pack2<T>(o_acc[mt][d][2 * r] * inv_sum, o_acc[mt][d][2 * r + 1] * inv_sum);
+            pack2<T>(o[mt].v[d][2 * r] * inv_sum, o[mt].v[d][2 * r + 1] * inv_sum);
       }
       if (p.lse != nullptr && t == 0 && half == 0) {
         p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
