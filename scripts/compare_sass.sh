@@ -9,6 +9,7 @@
 # Per function it prints one of
 #   identical         the same instructions and the same encodings (scheduling bits included)
 #   schedule differs  the same instructions; only the control bits (stalls, barriers) differ
+#   reordered         the same opcodes (with modifiers) in another order or on other registers
 #   DIFFERS           the instruction lists differ: their lengths and how many lines differ
 # and, where they changed, the registers and the stack frame (spills) of cuobjdump -res-usage.
 # Exit status 0 when every function is identical and the registers and stack did not grow.
@@ -52,6 +53,9 @@ split_sass() {
       word = $0; gsub(/[ \t\/*]/, "", word); print pending " " word > enc; pending = ""; next
     }'
 }
+# The sorted multiset of a listing's opcodes (with modifiers, without operands): equal for two
+# listings that differ only in register names and the order of instructions.
+opcodes() { awk '{ op = ($1 ~ /^@/) ? $2 : $1; print op }' "$1" | sort; }
 # "ARCH.NAME REG STACK" lines of cuobjdump -res-usage.
 resources() {
   cuobjdump -res-usage "$1" | awk "$norm"'
@@ -96,6 +100,9 @@ for obj in $objects; do
       verdict="identical"; identical=$((identical + 1))
     elif cmp -s "$b.ins" "$n.ins"; then
       verdict="schedule differs"; status=1
+    elif cmp -s <(opcodes "$b.ins") <(opcodes "$n.ins"); then
+      changed=$(diff "$b.ins" "$n.ins" | grep -c '^[<>]' || true)
+      verdict="reordered: the same $(wc -l < "$b.ins") opcodes, $changed lines changed"; status=1
     else
       changed=$(diff "$b.ins" "$n.ins" | grep -c '^[<>]' || true)
       verdict="DIFFERS: $(wc -l < "$b.ins") -> $(wc -l < "$n.ins") instructions, $changed lines changed"; status=1

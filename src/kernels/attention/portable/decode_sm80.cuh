@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
   const int copy_row = threadIdx.x / kChunksPerRow;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const Logits logits(p.scale, p.soft_cap);
-  const LdmatrixLane<T, kRows, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+  const auto q_lane = LdmatrixLane<T, kRows, kHeadDim>::a_operand(q_tile, lane);
 
   // K/V are read once per step: evict-first in L2 (b1 x 32K: 3.09 vs 3.02 TB/s, same run).
   const uint64_t kv_policy = l2_evict_first_policy();
@@ -395,8 +395,8 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
 
         const int n0 = begin + tile * kBlockN;
         const KVTile kt = k_tile(tile % kStages), vt = v_tile(tile % kStages);
-        const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(kt, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
-        const LdmatrixLane<T, kBlockN, kHeadDim> v_lane(vt, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+        const auto k_lane = LdmatrixLane<T, kBlockN, kHeadDim>::b_operands(kt, lane);
+        const auto v_lane = LdmatrixLane<T, kBlockN, kHeadDim>::a_operand(vt, lane);
 
         // S = Q K^T over this warp's 16 keys: two 8-key accumulator tiles.
         AccTile<16> s = {};

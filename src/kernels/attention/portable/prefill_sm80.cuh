@@ -20,65 +20,13 @@
 #include "kernels/attention/common/mask.cuh"
 #include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/portable/kv_source_sm80.cuh"
+#include "kernels/attention/portable/prefill_config_sm80.cuh"
+#include "kernels/attention/portable/prefill_scheduler_sm80.cuh"
 #include "kernels/attention/portable/row_softmax_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
 
 namespace tessera::kernels::sm80 {
-
-// Tile shapes and load order by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden
-// 2048, TFLOP/s; see notes/prefill_portable.md):
-// - 32 rows per warp beat 16 at hd64 (304 vs 273) and at hd128 (316 vs 285); 32-key tiles lose at
-//   hd128 (323 vs 326 at 32 rows per warp); capping registers for 3 CTAs/SM lost 5-10%.
-// - hd256: 8 warps, 64-key tiles, one CTA per SM. FA2's shape (8 warps of 16 rows) waited on
-//   shared memory: every warp read the whole K and V tile for its 16 rows (297 at best). Warp
-//   pairs on 32 rows (each K / V fragment then serves two m16 tiles: 100 ldmatrix.x4 per 256
-//   mma instead of 144) reach 322 (+7.5%, prefill_portable.md v11). K(j+1) is requested after the
-//   row maxima (below); right after S(j) lost with pairs (316.7 vs 322.7), where FA2's shape had
-//   preferred it (297 vs 292).
-// - At hd64 the softmax's row max and sum are reduced as trees: the chain of 16 dependent adds
-//   per row was exposed with two warps per scheduler (+1.1% at hd64; hd128 lost 1.3%, hd256 even).
-// - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
-//   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles read
-//   all their rows' offsets before issuing the copies (kv_source_sm80.cuh).
-// kCompact: the shape for GPUs whose shared memory per block is too small for the default one
-// (99 KB on sm_86 / sm_89; the wide hd256 tile needs 145 KB): hd256 keeps 4 warps and 32-key tiles
-// (66 KB). Identical to the default at hd64 / hd128.
-template <int kHeadDimT, bool kCompact = false>
-struct PrefillConfig {
-  static constexpr int kHeadDim = kHeadDimT;
-  static constexpr bool kWide = kHeadDim == 256 && !kCompact;  // 128 x 64 hd256 tile, 8 warps
-  static constexpr int kWarps = kWide ? 8 : 4;
-  static constexpr int kThreads = kWarps * 32;
-  // Warp pairs (kWide): two warps share 32 rows; S = Q K^T is split between them by keys, O += P V
-  // by head dims, and each reads the other's half of P from shared memory. Each K and V fragment
-  // read then serves two m16 tiles: 100 ldmatrix.x4 per warp and 256 mma instead of 144.
-  static constexpr bool kWarpPairs = kWide;
-  static constexpr int kKeyHalves = kWarpPairs ? 2 : 1;
-  static constexpr int kRowGroups = kWarps / kKeyHalves;   // warps (or pairs) with their own rows
-  static constexpr int kMTiles = kHeadDim <= 128 || kWarpPairs ? 2 : 1;  // m16 row tiles per warp
-  static constexpr int kBlockM = 16 * kMTiles * kRowGroups;  // query rows per CTA
-  static constexpr int kBlockN = kHeadDim == 256 && !kWide ? 32 : 64;  // keys per K/V tile
-  static constexpr int kTileBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;  // Q, K, V
-  // Warp pairs: P (kBlockM x kBlockN) and one float per (key half, row) for the row max / sum.
-  static constexpr int kExchangeBytes = kWarpPairs ? kBlockM * kBlockN * 2 + kKeyHalves * kBlockM * 4 : 0;
-  static constexpr int kSmemBytes = kTileBytes + kExchangeBytes;
-  // CTAs per SM the register budget is sized for (65536 / (kThreads x CTAs) registers per thread).
-  static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
-  static constexpr bool kRaggedFullTileCopy = kHeadDim != 64;
-  // The softmax's row max and row sum as trees rather than chains (prefill_portable.md v10).
-  static constexpr bool kTreeRowReductions = kHeadDim == 64;
-  // K(j+1) requested between the row maxima and the exponentials rather than after the softmax,
-  // so that the exponentials and O += P V form one basic block: hd64 310.5 vs 303.6, hd256 324.0
-  // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12). The compact
-  // hd256 shape, timed on the H200 under a 99 KB limit: 288.0 vs 275.5 (16K causal 292.0 vs 281.7).
-  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64 || kHeadDim == 256;
-  // O rescaled on every tile, so that no branch separates the maxima from the exponentials
-  // (prefill_portable.md v13): hd64 8K 317.7 vs 308.2 TFLOP/s, wide hd256 8K 330.5 vs 323.9 and
-  // 16K causal 336.1 vs 329.9. hd128 (v12 order) lost 3-4% to spills with it; the compact hd256
-  // shape is even with it (285.6 vs 288.0 at 8K, 292.3 vs 292.0 at 16K causal), so it keeps the branch.
-  static constexpr bool kRescaleEveryTile = kHeadDim == 64 || kWide;
-};
 
 using kernels::MaskBand;
 
@@ -101,19 +49,9 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   constexpr int kMTiles = Config::kMTiles;  // m16 tiles per warp
   constexpr int kKSteps = kHeadDim / 16;    // k-steps of Q K^T
 
-  // CTAs start roughly in grid order (x fastest). Causal: grid (heads, requests, query tiles from
-  // the last), so the heaviest tiles of every (request, head) go first and the light ones fill the
-  // tail (measured +10% at 2K-8K causal against heavy-first within each head). Otherwise tiles are
-  // equal: grid (query tiles, requests, heads), so the CTAs running together share a head's K/V
-  // in L2.
-  const bool tiles_last = p.grid_tiles_last;
-  const int m_tile = tiles_last ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x;
-  const int request = blockIdx.y;
-  const int head = tiles_last ? blockIdx.x : blockIdx.z;
-  const int q_start = p.qo_indptr[request];
-  const int qo_len = p.qo_indptr[request + 1] - q_start;
-  const int m0 = m_tile * kBlockM;
-  if (m0 >= qo_len) return;
+  const PrefillWorkTile work = prefill_work_tile<kBlockM>(p);
+  if (!work.has_rows()) return;
+  const int request = work.request, head = work.head, q_start = work.q_start, qo_len = work.qo_len, m0 = work.m0;
   const int kv_head = head / (p.num_qo_heads / p.num_kv_heads);
   extern __shared__ __align__(128) unsigned char smem[];
   KV kv(p, request, kv_head, smem + Config::kSmemBytes);
@@ -136,12 +74,11 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
   const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
   const SwizzledTile<T, kBlockN, kHeadDim> v_tile{k_tile.base + kBlockN * kHeadDim};
-  // ldmatrix lanes: Q (A operand) and V (B, transposed) read rows (l%8) + 8*((l/8)%2), chunk l/16;
-  // K (B operand) reads rows (l%8) + 8*(l/16), chunk (l/8)%2.
-  const LdmatrixLane<T, kBlockM, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
-  const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(k_tile, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
-  const LdmatrixLane<T, kBlockN, kHeadDim> v_lane =
-      LdmatrixLane<T, kBlockN, kHeadDim>(v_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16).shifted(half * kODims);
+  // ldmatrix lanes: Q as the A operand, K as B operands, V as B operands read transposed (this
+  // warp's head dims).
+  const auto q_lane = LdmatrixLane<T, kBlockM, kHeadDim>::a_operand(q_tile, lane);
+  const auto k_lane = LdmatrixLane<T, kBlockN, kHeadDim>::b_operands(k_tile, lane);
+  const auto v_lane = LdmatrixLane<T, kBlockN, kHeadDim>::a_operand(v_tile, lane).shifted(half * kODims);
   // Warp pairs: P as a swizzled kBlockM x kBlockN tile; this lane's stores (row g + 8r of each m16
   // tile, keys 2t, 2t + 1 of each of its 8-key tiles j: chunk (half * kSNTiles + j) ^ g) and its
   // ldmatrix addresses into the partner's key half (k-steps 2 (1 - half) + kk, A-operand pattern).
@@ -152,11 +89,11 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   if constexpr (Config::kWarpPairs) {
 #pragma unroll
     for (int j = 0; j < kSNTiles; ++j) p_store[j] = p_base + g * kBlockN + ((half * kSNTiles + j) ^ g) * 8 + 2 * t;
-    const int lane_row = (lane % 8) + ((lane / 8) % 2) * 8;
+    const int lane_row = LdmatrixX4::a_row(lane);
 #pragma unroll
     for (int kk = 0; kk < kSNTiles / 2; ++kk) {
       const int step = (1 - half) * (kSNTiles / 2) + kk;
-      p_load[kk] = p_base + lane_row * kBlockN + ((2 * step + lane / 16) ^ (lane_row % 8)) * 8;
+      p_load[kk] = p_base + lane_row * kBlockN + ((2 * step + LdmatrixX4::a_chunk(lane)) ^ (lane_row % 8)) * 8;
     }
   }
   // The pair's barrier (ids 1..kRowGroups; 0 is __syncthreads').
@@ -396,8 +333,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       }
       // Nothing visible gives l == 0; a NaN logit gives l = NaN (and row_max may stay -inf,
       // since fmaxf skips NaN), which must reach O and LSE rather than read as empty.
-      const bool empty = l == 0.f;
-      const float inv_sum = empty ? 0.f : 1.f / l;
+      const float inv_sum = state_inv_sum(l);
       const int row = m0 + tile_row(mt) + g + 8 * r;
       if (row >= qo_len) continue;
       T* o_row = o_head + int64_t(row) * p.o_stride_row + half * kODims;
@@ -408,8 +344,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
       }
       if (p.lse != nullptr && t == 0 && half == 0) {
         p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
-            empty ? -INFINITY
-                  : (row_max[mt][r] * logits.log2_scale + log2f(l)) * 0.6931471805599453f;
+            l == 0.f ? -INFINITY : Log2Units::lse(row_max[mt][r] * logits.log2_scale, l);
       }
     }
   }
@@ -434,9 +369,7 @@ void launch_prefill_config(const PrefillParams& p, cudaStream_t stream) {
   const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
   if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
   PrefillParams params = p;
-  params.grid_tiles_last = p.causal && m_tiles <= 65535;  // grid z holds at most 65535
-  const dim3 grid = params.grid_tiles_last ? dim3(p.num_qo_heads, p.batch_size, m_tiles)
-                                           : dim3(m_tiles, p.batch_size, p.num_qo_heads);
+  const dim3 grid = prefill_grid(params, m_tiles);
   constexpr int kHeadDim = Config::kHeadDim;
   using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kRaggedFullTileCopy>;
   using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
