@@ -21,7 +21,12 @@
 #include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/portable/kv_source_sm80.cuh"
 #include "kernels/attention/portable/prefill_config_sm80.cuh"
+#include "kernels/attention/portable/prefill_epilogue_sm80.cuh"
+#include "kernels/attention/portable/prefill_mainloop_sm80.cuh"
+#include "kernels/attention/portable/prefill_mainloop_sm80.cuh"
 #include "kernels/attention/portable/prefill_scheduler_sm80.cuh"
+#include "kernels/attention/portable/prefill_softmax_sm80.cuh"
+#include "kernels/attention/portable/prefill_warp_sm80.cuh"
 #include "kernels/attention/portable/row_softmax_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
@@ -30,25 +35,11 @@ namespace tessera::kernels::sm80 {
 
 using kernels::MaskBand;
 
-// Copies rows [row0, row0 + kRows) of one head of a ragged [rows, heads, kHeadDim] tensor into a
-// swizzled shared tile; rows at or past `valid_rows` are zero-filled.
-template <typename T, int kRows, int kHeadDim, int kThreads>
-__device__ void load_tile_async(const SwizzledTile<T, kRows, kHeadDim>& tile, const T* head_base,
-                                int64_t row_stride, int row0, int valid_rows) {
-  const T* base = head_base + int64_t(row0) * row_stride;
-  copy_tile_rows<T, kRows, kHeadDim, kThreads>(tile, valid_rows - row0,
-                                               [&](int r) { return base + r * row_stride; });
-}
-
 // KV: RaggedKV or PagedKV of kv_source_sm80.cuh, instantiated for this tile shape.
 template <typename T, typename Config, typename Logits, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     prefill_sm80_kernel(const PrefillParams p) {
-  constexpr int kHeadDim = Config::kHeadDim;
-  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
-  constexpr int kMTiles = Config::kMTiles;  // m16 tiles per warp
-  constexpr int kKSteps = kHeadDim / 16;    // k-steps of Q K^T
-
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kMTiles = Config::kMTiles;
   const PrefillWorkTile work = prefill_work_tile<kBlockM>(p);
   if (!work.has_rows()) return;
   const int request = work.request, head = work.head, q_start = work.q_start, qo_len = work.qo_len, m0 = work.m0;
@@ -58,48 +49,18 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int kv_len = kv.kv_len;
   const MaskBand band{qo_len, kv_len, kv_len - qo_len, p.causal, p.window_left};
 
+  // This warp's place in the CTA (prefill_warp_sm80.cuh), computed here for the parts.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // Warp w (or pair w % kRowGroups) owns CTA rows {mt * 16 * kRowGroups + (w % kRowGroups) * 16 +
-  // [0, 16)}; this lane holds rows g and g + 8 of each of its m16 tiles. In a pair, warp half
-  // `half` computes S for keys [half, half + 1) * kSKeys of each tile and O for head dims
-  // [half, half + 1) * kODims.
-  constexpr int kRowGroups = Config::kRowGroups, kKeyHalves = Config::kKeyHalves;
-  constexpr int kSKeys = kBlockN / kKeyHalves, kSNTiles = kSKeys / 8;  // keys of S per warp
-  constexpr int kODims = kHeadDim / kKeyHalves, kODTiles = kODims / 8;  // dims of O per warp
-  const int row_group = Config::kWarpPairs ? warp % kRowGroups : warp;
-  const int half = Config::kWarpPairs ? warp / kRowGroups : 0;  // a constant 0 without pairs
-  auto tile_row = [&](int mt) { return mt * 16 * kRowGroups + row_group * 16; };
+  const int row_group = Config::kWarpPairs ? warp % Config::kRowGroups : warp;
+  const int half = Config::kWarpPairs ? warp / Config::kRowGroups : 0;  // a constant 0 without pairs
+  const PrefillWarp<Config> wp{warp, lane, g, t, row_group, half};
 
-  const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
-  const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
-  const SwizzledTile<T, kBlockN, kHeadDim> v_tile{k_tile.base + kBlockN * kHeadDim};
-  // ldmatrix lanes: Q as the A operand, K as B operands, V as B operands read transposed (this
-  // warp's head dims).
-  const auto q_lane = LdmatrixLane<T, kBlockM, kHeadDim>::a_operand(q_tile, lane);
-  const auto k_lane = LdmatrixLane<T, kBlockN, kHeadDim>::b_operands(k_tile, lane);
-  const auto v_lane = LdmatrixLane<T, kBlockN, kHeadDim>::a_operand(v_tile, lane).shifted(half * kODims);
-  // Warp pairs: P as a swizzled kBlockM x kBlockN tile; this lane's stores (row g + 8r of each m16
-  // tile, keys 2t, 2t + 1 of each of its 8-key tiles j: chunk (half * kSNTiles + j) ^ g) and its
-  // ldmatrix addresses into the partner's key half (k-steps 2 (1 - half) + kk, A-operand pattern).
-  T* const p_base = reinterpret_cast<T*>(smem + Config::kTileBytes);
+  const PrefillMainloop<T, Config> mainloop(smem, lane, half);
   float* const exchange = reinterpret_cast<float*>(smem + Config::kTileBytes + kBlockM * kBlockN * 2);
-  T* p_store[kSNTiles];
-  const T* p_load[kSNTiles / 2];
-  if constexpr (Config::kWarpPairs) {
-#pragma unroll
-    for (int j = 0; j < kSNTiles; ++j) p_store[j] = p_base + g * kBlockN + ((half * kSNTiles + j) ^ g) * 8 + 2 * t;
-    const int lane_row = LdmatrixX4::a_row(lane);
-#pragma unroll
-    for (int kk = 0; kk < kSNTiles / 2; ++kk) {
-      const int step = (1 - half) * (kSNTiles / 2) + kk;
-      p_load[kk] = p_base + lane_row * kBlockN + ((2 * step + LdmatrixX4::a_chunk(lane)) ^ (lane_row % 8)) * 8;
-    }
-  }
-  // The pair's barrier (ids 1..kRowGroups; 0 is __syncthreads').
-  auto pair_sync = [&] { named_barrier_sync(1 + row_group, kKeyHalves * 32); };
-  static_assert(kRowGroups < 16, "named barrier ids 1..15");
-
+  T* p_store[Config::kSNTiles];
+  const T* p_load[Config::kSNTiles / 2];
+  pair_p_addresses<Config>(reinterpret_cast<T*>(smem + Config::kTileBytes), wp, p_store, p_load);
   const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
 
   // The KV tiles this CTA visits: those meeting the band of any of its rows.
@@ -109,245 +70,42 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int first_tile = n_begin / kBlockN;
   const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
 
-  AccTile<kODims> o[kMTiles] = {};  // this warp's unnormalised O: its rows, its head dims
-  RowSoftmax<kMTiles, Config::kTreeRowReductions, Config::kTreeRowReductions> softmax;
-  auto& row_max = softmax.row_max;
-  auto& row_sum = softmax.row_sum;
-
-  load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
-  if (first_tile < end_tile) {
-    if constexpr (KV::kSmemBytes > 0) {  // the first two tiles' page ids, the first's rows located
-      kv.fetch_rows(p, first_tile * kBlockN, first_tile & 1);
-      if (first_tile + 1 < end_tile) kv.fetch_rows(p, (first_tile + 1) * kBlockN, (first_tile + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-      kv.publish_rows(p, first_tile * kBlockN, first_tile & 1);
-      __syncthreads();
-    }
-    kv.load(p, k_tile, first_tile * kBlockN, first_tile & 1, KVPart::kKeys);
-  }
-  cp_async_commit();
-
-  // K(tile + 1) into the K tile, once V(tile) has landed and every warp is done with K(tile):
-  // after the softmax, or between its maxima and exponentials (kExponentialsAfterKeyRequest).
-  auto request_next_keys = [&](int tile) {
-    const int n1 = (tile + 1) * kBlockN;
-    if (tile + 1 < end_tile) kv.publish_rows(p, n1, (tile + 1) & 1);
-    cp_async_wait<0>();
-    __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
-    if (tile + 1 < end_tile) kv.load(p, k_tile, n1, (tile + 1) & 1, KVPart::kKeys);
-    cp_async_commit();
-  };
-
+  AccTile<Config::kODims> o[kMTiles] = {};  // this warp's unnormalised O: its rows, its head dims
+  PrefillRowSoftmax<Config> softmax;
+  mainloop.load_q_and_first_keys(p, kv, q_head, m0, qo_len, first_tile, end_tile);
+  auto request_next_keys = [&](int tile) { mainloop.request_next_keys(p, kv, tile, end_tile); };
   const Logits logits(p.scale, p.soft_cap);
   for (int tile = first_tile; tile < end_tile; ++tile) {
     const int n0 = tile * kBlockN;
-    cp_async_wait<0>();
-    __syncthreads();  // K(tile) (and Q) landed; every warp is done with V(tile - 1)
-    kv.load(p, v_tile, n0, tile & 1, KVPart::kValues);
-    if (tile + 2 < end_tile) kv.fetch_rows(p, n0 + 2 * kBlockN, tile & 1);  // lands with V(tile)
-    cp_async_commit();
+    mainloop.load_values(p, kv, tile, end_tile);
+    // This tile's registers, declared here for the parts (PrefillMainloop::QKFragments says why).
+    AccTile<Config::kSKeys> s[kMTiles] = {};  // S, then P
+    uint32_t q_frag[kMTiles][4], k_frag[4];
+    mainloop.scores(s, wp, {q_frag, k_frag});
 
-    // S = Q K^T over this warp's keys: each K fragment read from shared memory serves all kMTiles
-    // row tiles.
-    AccTile<kSKeys> s[kMTiles] = {};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_lane.at(tile_row(mt), ks));
-#pragma unroll
-      for (int np = 0; np < kSNTiles / 2; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, k_lane.at(half * kSKeys + np * 16, ks));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(s[mt].v[2 * np], a[mt], b[0], b[1]);
-          mma_16816<T>(s[mt].v[2 * np + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-
-    // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
-    // pay for the per-element test.
+    // Logits; keys outside the band (or past kv_len) at -inf on the tiles that cross its edge.
     if constexpr (!Logits::kIdentity) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) for_each(s[mt], [&](float& x, int, int, int) { x = logits(x); });
     }
+    // (MaskBand::tile_crosses_edge's test, on the kernel's parameters: through the band the compiler
+    // ordered it differently and the machine code changed.)
     const bool needs_mask = n0 + kBlockN > kv_len ||
                             (p.causal && n0 + kBlockN - 1 > m0 + band.offset) ||
                             (p.window_left >= 0 && n0 < last_row + band.offset - p.window_left);
-    if (needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + half * kSKeys + j * 8 + 2 * t + (e & 1);
-            const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
-            if (!band.visible(row, key)) s[mt].v[j][e] = -INFINITY;
-          }
-        }
-      }
-    }
+    if (needs_mask) prefill_mask<Config>(s, band, wp, n0, m0);
 
-    // Online softmax: new row maxima (the 4 lanes of a row share them; a pair exchanges its two
-    // key halves' through shared memory), rescale what came before.
-    float pair_max[kMTiles][2];
-    if constexpr (Config::kWarpPairs) {
-      // The partner read the previous tile's values before the pair's last barrier.
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          pair_max[mt][r] = softmax.tile_max(s[mt], mt, r);
-          if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = pair_max[mt][r];
-        }
-      }
-      pair_sync();
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          pair_max[mt][r] = fmaxf(pair_max[mt][r], exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r]);
-    }
-    auto new_max = [&](int mt, int r) { return Config::kWarpPairs ? pair_max[mt][r] : softmax.tile_max(s[mt], mt, r); };
-    float rescale[kMTiles][2];
+    float pair_max[kMTiles][2], rescale[kMTiles][2];
     bool max_moved = false;
-    // A row whose maximum did not move has rescale exactly 1 (ex2 of 0): O is rescaled only when
-    // some row of the warp moved, which after the first tiles is rare (or on every tile:
-    // kRescaleEveryTile). Results are bitwise those of rescaling always.
-    auto rescale_o = [&] {
-      if (Config::kRescaleEveryTile || __any_sync(0xffffffffu, max_moved)) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) mul_row(o[mt], rescale[mt]);
-      }
-    };
-    const float log2_scale = logits.log2_scale;
-    if constexpr (Config::kExponentialsAfterKeyRequest) {
-      // Maxima, O rescale and K(tile + 1)'s request first: the exponentials and O += P V then
-      // share one basic block (no branch or barrier between them) that the compiler interleaves.
-      float m_scaled[kMTiles][2];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          m_scaled[mt][r] = softmax.update_max(mt, r, new_max(mt, r), log2_scale, rescale[mt][r], max_moved);
-      rescale_o();
-      request_next_keys(tile);
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) softmax.exponentiate(s[mt], mt, r, log2_scale, m_scaled[mt][r], rescale[mt][r]);
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          softmax.exponentiate(s[mt], mt, r, log2_scale,
-                               softmax.update_max(mt, r, new_max(mt, r), log2_scale, rescale[mt][r], max_moved),
-                               rescale[mt][r]);
-      rescale_o();
-      request_next_keys(tile);
-    }
+    float m_scaled[kMTiles][2];
+    prefill_softmax_tile<Config>(softmax, s, o, wp, exchange, logits.log2_scale, request_next_keys, tile,
+                                 {pair_max, rescale, max_moved, m_scaled});
 
-    // O += P V over this warp's head dims, P of its own keys taken straight from the S
-    // accumulators (two 8-key tiles make one k16 A tile); a pair's other key half from shared memory.
-    if constexpr (Config::kWarpPairs) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<uint32_t*>(p_store[j] + (tile_row(mt) + 8 * r) * kBlockN) =
-                pack2<T>(s[mt].v[j][2 * r], s[mt].v[j][2 * r + 1]);
-    }
-    auto accumulate_pv = [&](const uint32_t (&a)[kMTiles][4], int key0) {
-#pragma unroll
-      for (int dp = 0; dp < kODTiles / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_lane.at(key0, dp));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(o[mt].v[2 * dp], a[mt], b[0], b[1]);
-          mma_16816<T>(o[mt].v[2 * dp + 1], a[mt], b[2], b[3]);
-        }
-      }
-    };
-#pragma unroll
-    for (int ks = 0; ks < kSKeys / 16; ++ks) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        a_fragment<T>(s[mt], ks, a[mt]);
-      }
-      accumulate_pv(a, half * kSKeys + ks * 16);
-    }
-    if constexpr (Config::kWarpPairs) {
-      // The partner's half of P is stored. Waiting here, after this warp's own half of P V, measured
-      // 316.7 vs 313.4 TFLOP/s against waiting before it (v11 with K(j+1) requested after S); with
-      // K(j+1) after the softmax, a split bar.arrive (after the stores) / bar.sync (here) lost
-      // 316.4 vs 322.7 (prefill_portable.md v11).
-      pair_sync();
-#pragma unroll
-      for (int ks = 0; ks < kSKeys / 16; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], p_load[ks] + tile_row(mt) * kBlockN);
-        accumulate_pv(a, (1 - half) * kSKeys + ks * 16);
-      }
-    }
+    uint32_t p_own[kMTiles][4], p_partner[kMTiles][4];
+    mainloop.accumulate(s, o, wp, {p_store, p_load}, {p_own, p_partner});
   }
   cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
-
-  // Epilogue: O / l, LSE = (max * log2_scale + log2 l) * ln 2; rows that saw no key give 0 and -inf.
-  T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
-  if constexpr (Config::kWarpPairs) {  // row sums over the row's 4 lanes and both key halves
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float l = row_sum[mt][r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        row_sum[mt][r] = l + __shfl_xor_sync(0xffffffffu, l, 2);
-        if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = row_sum[mt][r];
-      }
-    }
-    pair_sync();
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) row_sum[mt][r] += exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r];
-  }
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[mt][r];
-      if constexpr (!Config::kWarpPairs) {
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-      }
-      // Nothing visible gives l == 0; a NaN logit gives l = NaN (and row_max may stay -inf,
-      // since fmaxf skips NaN), which must reach O and LSE rather than read as empty.
-      const float inv_sum = state_inv_sum(l);
-      const int row = m0 + tile_row(mt) + g + 8 * r;
-      if (row >= qo_len) continue;
-      T* o_row = o_head + int64_t(row) * p.o_stride_row + half * kODims;
-#pragma unroll
-      for (int d = 0; d < kODTiles; ++d) {
-        *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
-            pack2<T>(o[mt].v[d][2 * r] * inv_sum, o[mt].v[d][2 * r + 1] * inv_sum);
-      }
-      if (p.lse != nullptr && t == 0 && half == 0) {
-        p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
-            l == 0.f ? -INFINITY : Log2Units::lse(row_max[mt][r] * logits.log2_scale, l);
-      }
-    }
-  }
+  prefill_epilogue<T, Config>(p, o, softmax, wp, exchange, logits.log2_scale, q_start, qo_len, head, m0);
 }
 
 template <typename T, typename Config, typename Logits, typename KV>
