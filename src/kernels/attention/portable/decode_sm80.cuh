@@ -245,6 +245,128 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
 #endif
 }
 
+// A warp's state of the 16 rows of a pass (its max in log2 units, its sum, its unnormalised O)
+// into shared memory for combine_warps. Only the pass's real rows: a GQA group of 4 fills 4 of the
+// tile's 16 rows, and the padding rows would be three quarters of this shared-memory traffic.
+template <typename Cfg, int kHeadDim, typename Softmax>
+__device__ __forceinline__ void store_warp_state(const Softmax& softmax, const AccTile<kHeadDim>& o, float log2_scale,
+                                                 float* stat_max, float* stat_sum, float* scratch, int warp, int g,
+                                                 int t, int r0, int rows) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(softmax.row_sum[0][r]);
+    if (r0 + g + 8 * r >= rows) continue;
+    const int row = warp * Cfg::kRows + g + 8 * r;
+    if (t == 0) {
+      const float m = softmax.row_max[0][r];
+      stat_max[row] = m == -INFINITY ? -INFINITY : m * log2_scale;
+      stat_sum[row] = l;
+    }
+#pragma unroll
+    for (int d = 0; d < kHeadDim / 8; ++d) {
+      *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + d * 8 + 2 * t) =
+          make_float2(o.v[d][2 * r], o.v[d][2 * r + 1]);
+    }
+  }
+}
+
+// Combines the warps' states of a pass (closed form, log2 units: attention_state.cuh) and writes
+// O / LSE, or the fp32 partial state of a split request's chunk. A warp contributes when its sum is
+// not 0 (a NaN sum contributes and poisons the row); no contributor means no visible key: O = 0,
+// LSE = -inf.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void combine_warps(const DecodeParams& p, const plan::Task& w, const plan::RequestInfo& req,
+                                              int group, const float* stat_max, const float* stat_sum,
+                                              const float* scratch, int r0, int rows, float (&acc)[8]) {
+  constexpr int kRows = Cfg::kRows, kChunksPerRow = Cfg::kChunksPerRow, kHeadDim = Cfg::kChunksPerRow * 8;
+  for (int u = threadIdx.x; u < kRows * kChunksPerRow; u += Cfg::kThreads) {
+    const int row = u / kChunksPerRow, col = (u % kChunksPerRow) * 8;
+    const int rr = r0 + row;
+    if (rr >= rows) continue;
+    float m = -INFINITY;
+#pragma unroll
+    for (int wi = 0; wi < Cfg::kWarps; ++wi) {
+      if (stat_sum[wi * kRows + row] != 0.f) m = fmaxf(m, stat_max[wi * kRows + row]);
+    }
+    float l = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < Cfg::kWarps; ++wi) {
+      const float sw = stat_sum[wi * kRows + row];
+      if (sw == 0.f) continue;
+      const float weight = Log2Units::weight(stat_max[wi * kRows + row], m);
+      l = fmaf(weight, sw, l);
+      const float* o_w = scratch + (wi * kRows + row) * Cfg::kScratchStride + col;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, o_w[e], acc[e]);
+    }
+    const float inv = state_inv_sum(l);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= inv;
+    const float lse = state_lse(m, l);
+    if (w.partial_slot < 0) {
+      const int64_t q_row = req.q_start + rr / group;
+      const int head = w.kv_head * group + rr % group;
+      Vec8<T>::from_float(acc).store(static_cast<T*>(p.o) + q_row * p.o_stride_row + head * p.o_stride_head + col);
+      if (p.lse != nullptr && col == 0) p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = lse;
+    } else {
+      const int64_t prow = p.slot_rows[w.partial_slot] + rr;
+      Vec8<float>::from_float(acc).store(p.partial_o + prow * kHeadDim + col);
+      if (col == 0) p.partial_lse[prow] = lse;
+    }
+  }
+}
+
+// Rows r0 .. r0 + kRows of a decode pass into the Q tile, zeros from `rows` on: row rr is query
+// token q_start + rr / group of query head kv_head * group + rr % group (a KV head's GQA group).
+template <typename T, int kHeadDim, int kThreads, int kRows>
+__device__ __forceinline__ void load_q_rows(const DecodeParams& p, const SwizzledTile<T, kRows, kHeadDim>& q_tile,
+                                            int q_start, int kv_head, int group, int r0, int rows) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+#pragma unroll
+  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    const int rr = r0 + row;
+    const bool valid = rr < rows;
+    const T* src = static_cast<const T*>(p.q) +
+                   (valid ? int64_t(q_start + rr / group) * p.q_stride_row +
+                                int64_t(kv_head * group + rr % group) * p.q_stride_head
+                          : 0) +
+                   col;
+    cp_async_16(q_tile.at(row, col), src, valid);
+  }
+}
+
+// A split request's chunk is done: the CTA that finishes its last chunk merges all of them (the
+// classic fence-then-count pattern), so no second kernel and no launch gap follow the decode.
+// One thread counts for the CTA with an acquire-release atomic: the barrier before it orders every
+// thread's partial writes before the count (release), the barrier after it orders the count before
+// the merge's reads (acquire). (A full __threadfence() on each side compiles to a sequentially
+// consistent MEMBAR.SC.GPU.)
+template <typename T, int kHeadDim, int kThreads>
+__device__ __forceinline__ void merge_if_last_chunk(const DecodeParams& p, const plan::MergeRow& merge,
+                                                    const plan::RequestInfo& req, int group, int merge_index,
+                                                    float* scratch, int scratch_floats, int& merges_here) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int before;
+    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n"
+                 : "=r"(before)
+                 : "l"(p.merge_counters + merge_index)
+                 : "memory");
+    merges_here = before == merge.num_slots - 1;
+  }
+  __syncthreads();
+  if (merges_here) {
+    merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch, scratch_floats);
+    // Ready for the next layer's run(): subtract this run's count rather than storing 0, so a
+    // stray extra count (misuse: two runs sharing the workspace concurrently) cannot stick.
+    if (threadIdx.x == 0) atomicSub(p.merge_counters + merge_index, merge.num_slots);
+    __syncthreads();  // the scratch is refilled by the next item
+  }
+}
+
 template <typename T, int kHeadDim, typename Logits, int kStagesT, int kCtasPerSmT>
 __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerSmT>::kThreads,
                                   DecodeTileConfig<kHeadDim, kStagesT, kCtasPerSmT>::kMinBlocksPerSM)
@@ -310,18 +432,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
       const int num_tiles = end > begin ? (end - begin + kBlockN - 1) / kBlockN : 0;
 
       // Q rows r0 .. r0 + 15 (zeros past the request's rows); they join the first stage's group.
-#pragma unroll
-      for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
-        const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-        const int rr = r0 + row;
-        const bool valid = rr < rows;
-        const T* src = static_cast<const T*>(p.q) +
-                       (valid ? int64_t(req.q_start + rr / group) * p.q_stride_row +
-                                    int64_t(w.kv_head * group + rr % group) * p.q_stride_head
-                              : 0) +
-                       col;
-        cp_async_16(q_tile.at(row, col), src, valid);
-      }
+      load_q_rows<T, kHeadDim, kThreads>(p, q_tile, req.q_start, w.kv_head, group, r0, rows);
 
       // The page ids of this thread's rows of a tile, and the copies of a tile into its stage.
       // Branch-free: rows past `end` read the last valid row's address and copy zeros (cp.async
@@ -463,95 +574,19 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
       __syncthreads();  // every warp is done with the stages: the combine scratch reuses them
 
       // Each warp's state (max in log2 units, sum, unnormalised O) into shared memory.
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(softmax.row_sum[0][r]);
-        // Only the pass's real rows: a GQA group of 4 fills 4 of the tile's 16 rows, and the
-        // padding rows would be three quarters of this shared-memory traffic.
-        if (r0 + g + 8 * r >= rows) continue;
-        const int row = warp * kRows + g + 8 * r;
-        if (t == 0) {
-          const float m = softmax.row_max[0][r];
-          stat_max[row] = m == -INFINITY ? -INFINITY : m * logits.log2_scale;
-          stat_sum[row] = l;
-        }
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-          *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + d * 8 + 2 * t) =
-              make_float2(o.v[d][2 * r], o.v[d][2 * r + 1]);
-        }
-      }
+      store_warp_state<Cfg>(softmax, o, logits.log2_scale, stat_max, stat_sum, scratch, warp, g, t, r0, rows);
       __syncthreads();
-
-      // Combine the warps: a warp contributes when its sum is not 0 (a NaN sum contributes and
-      // poisons the row); no contributor means no visible key: O = 0, LSE = -inf.
-      for (int u = threadIdx.x; u < kRows * kChunksPerRow; u += kThreads) {
-        const int row = u / kChunksPerRow, col = (u % kChunksPerRow) * 8;
-        const int rr = r0 + row;
-        if (rr >= rows) continue;
-        float m = -INFINITY;
-#pragma unroll
-        for (int wi = 0; wi < Cfg::kWarps; ++wi) {
-          if (stat_sum[wi * kRows + row] != 0.f) m = fmaxf(m, stat_max[wi * kRows + row]);
-        }
-        float l = 0.f, acc[8] = {};
-#pragma unroll
-        for (int wi = 0; wi < Cfg::kWarps; ++wi) {
-          const float sw = stat_sum[wi * kRows + row];
-          if (sw == 0.f) continue;
-          const float weight = Log2Units::weight(stat_max[wi * kRows + row], m);
-          l = fmaf(weight, sw, l);
-          const float* o_w = scratch + (wi * kRows + row) * Cfg::kScratchStride + col;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, o_w[e], acc[e]);
-        }
-        const float inv = state_inv_sum(l);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] *= inv;
-        const float lse = state_lse(m, l);
-        if (w.partial_slot < 0) {
-          const int64_t q_row = req.q_start + rr / group;
-          const int head = w.kv_head * group + rr % group;
-          Vec8<T>::from_float(acc).store(static_cast<T*>(p.o) + q_row * p.o_stride_row +
-                                         head * p.o_stride_head + col);
-          if (p.lse != nullptr && col == 0) {
-            p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = lse;
-          }
-        } else {
-          const int64_t prow = p.slot_rows[w.partial_slot] + rr;
-          Vec8<float>::from_float(acc).store(p.partial_o + prow * kHeadDim + col);
-          if (col == 0) p.partial_lse[prow] = lse;
-        }
-      }
+      // The combine's registers, declared here: as combine_warps' own array the compiler placed them
+      // elsewhere among the kernel's registers, and ptxas emitted different machine code.
+      float acc[8];
+      combine_warps<T, Cfg>(p, w, req, group, stat_max, stat_sum, scratch, r0, rows, acc);
       __syncthreads();  // the scratch and the Q tile are refilled by the next pass
     }
 
     if (w.partial_slot >= 0) {
-      // Split request: the CTA that finishes its last chunk merges all of them (the classic
-      // fence-then-count pattern), so no second kernel and no launch gap follow the decode.
-      // One thread counts for the CTA with an acquire-release atomic: the barrier before it orders
-      // every thread's partial writes before the count (release), the barrier after it orders the
-      // count before the merge's reads (acquire). (A full __threadfence() on each side compiles
-      // to a sequentially consistent MEMBAR.SC.GPU.)
-      __shared__ int merges_here;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int before;
-        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n"
-                     : "=r"(before)
-                     : "l"(p.merge_counters + w.merge)
-                     : "memory");
-        merges_here = before == merge.num_slots - 1;
-      }
-      __syncthreads();
-      if (merges_here) {
-        merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch,
-                                                    kStages * Cfg::kStageBytes / 4);
-        // Ready for the next layer's run(): subtract this run's count rather than storing 0, so a
-        // stray extra count (misuse: two runs sharing the workspace concurrently) cannot stick.
-        if (threadIdx.x == 0) atomicSub(p.merge_counters + w.merge, merge.num_slots);
-        __syncthreads();  // the scratch is refilled by the next item
-      }
+      __shared__ int merges_here;  // whether this CTA merges (declared here, as it was: the same layout)
+      merge_if_last_chunk<T, kHeadDim, kThreads>(p, merge, req, group, w.merge, scratch,
+                                                 kStages * Cfg::kStageBytes / 4, merges_here);
     }
   }
 }
