@@ -18,8 +18,9 @@ set -euo pipefail
 base=${1:?usage: compare_sass.sh BASE_BUILD NEW_BUILD [OBJECT_FILTER]}
 new=${2:?usage: compare_sass.sh BASE_BUILD NEW_BUILD [OBJECT_FILTER]}
 filter=${3:-.}
-for d in /usr/local/cuda/bin /work/tools; do [ -d "$d" ] && PATH="$PATH:$d"; done
-command -v cuobjdump >/dev/null || { echo "compare_sass: cuobjdump not found" >&2; exit 2; }
+cuda_bin="${CUDA_HOME:-/usr/local/cuda}/bin"
+[ -d "$cuda_bin" ] && PATH="$PATH:$cuda_bin"
+command -v cuobjdump >/dev/null || { echo "compare_sass: cuobjdump not found (put it on PATH or set CUDA_HOME)" >&2; exit 2; }
 
 work=${KEEP:-$(mktemp -d)}
 [ -n "${KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
