@@ -98,6 +98,23 @@ struct SwizzledTile {
   }
 };
 
+// Which row and which 16-byte chunk (of the 16 x 16 block read) lane l addresses in ldmatrix.x4,
+// for the two operand layouts of mma.m16n8k16 (the four 8 x 8 matrices land in registers 0..3):
+//   a: the A operand, 16 rows x k16 (matrices: rows 0-7 and 8-15 of chunk 0, then of chunk 1);
+//      read with .trans from a k-major tile (V: keys x head dims) the same lanes give the B
+//      operands of two n8 blocks;
+//   b: the B operands of two n8 blocks from an n-major tile (K: keys x head dims; matrices: rows
+//      0-7 of chunks 0 and 1, then rows 8-15).
+// The lane is unsigned so that % and / are bit operations inside these helpers too: with an int
+// lane the compiler simplified them differently once inlined, and the kernels' machine code
+// changed.
+struct LdmatrixX4 {
+  __device__ __forceinline__ static int a_row(unsigned lane) { return (lane % 8) + ((lane / 8) % 2) * 8; }
+  __device__ __forceinline__ static int a_chunk(unsigned lane) { return lane / 16; }
+  __device__ __forceinline__ static int b_row(unsigned lane) { return (lane % 8) + (lane / 16) * 8; }
+  __device__ __forceinline__ static int b_chunk(unsigned lane) { return (lane / 8) % 2; }
+};
+
 // Per-lane ldmatrix addressing into a SwizzledTile, for the x4 pattern where lane l reads row
 // `row0 + lane_row` and logical chunk `2 * step + lane_chunk` (lane_chunk in {0, 1}), with
 // lane_row % 8 == l % 8. Because (2 * step + lane_chunk) ^ (l % 8) only touches the low three
@@ -113,6 +130,13 @@ struct LdmatrixLane {
     row_base = tile.base + lane_row * kCols;
 #pragma unroll
     for (int m = 0; m < 4; ++m) xor_chunk[m] = ((2 * m + lane_chunk) ^ (lane_row % 8)) * 8;
+  }
+  // The lanes of the two operand layouts of mma.m16n8k16 (LdmatrixX4 above).
+  __device__ __forceinline__ static LdmatrixLane a_operand(const SwizzledTile<T, kRows, kCols>& tile, unsigned lane) {
+    return LdmatrixLane(tile, LdmatrixX4::a_row(lane), LdmatrixX4::a_chunk(lane));
+  }
+  __device__ __forceinline__ static LdmatrixLane b_operands(const SwizzledTile<T, kRows, kCols>& tile, unsigned lane) {
+    return LdmatrixLane(tile, LdmatrixX4::b_row(lane), LdmatrixX4::b_chunk(lane));
   }
   // Address for row block offset `row0` (a multiple of 8) and k-step `step` (16 columns each).
   __device__ const T* at(int row0, int step) const {

@@ -6,8 +6,8 @@
 #include <cmath>
 
 #include "core/cuda_check.h"
+#include "kernels/attention/common/attention_state.cuh"
 #include "kernels/common/vec8.cuh"
-#include "kernels/merge/merge_accumulator.cuh"
 #include "kernels/merge/merge_states.h"
 
 namespace tessera::kernels {
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(TIn) == 2 ? 4 : 3) merge_stat
       col[j] = (within - head[j] * vecs_per_row) * kElemsPerVec;
     }
 
-    MergeAccumulator accum[kItems];
+    MergeAccumulator<kElemsPerVec> accum[kItems];
     constexpr int kGroup = kStacked ? 4 : 2;  // states loaded together
     for (int first = 0; first < p.num_states; first += kGroup) {
       // Held in the input precision until used: 4 registers per bf16 vector instead of 8.
@@ -164,10 +164,9 @@ __global__ void __launch_bounds__(kThreads, 4) merge_two_states_kernel(MergeStat
       const bool nan = isnan(sa) || isnan(sb);
       const bool has_a = sa > -INFINITY, has_b = sb > -INFINITY;
       const float m = fmaxf(sa, sb);
-      const float wa = has_a ? exp2f((sa - m) * MergeAccumulator::kLog2e) : 0.f;
-      const float wb = has_b ? exp2f((sb - m) * MergeAccumulator::kLog2e) : 0.f;
+      const float wa = merge_weight(sa, m), wb = merge_weight(sb, m);
       const float sum = wa + wb;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float inv = merge_inv_sum(sum);
       float fa[kElemsPerVec], fb[kElemsPerVec], out[kElemsPerVec];
       o_a[j].to_float(fa);
       o_b[j].to_float(fb);
@@ -178,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 4) merge_two_states_kernel(MergeStat
         const float vb = has_b ? wb * fb[e] : 0.f;
         out[e] = nan ? NAN : (va + vb) * inv;
       }
-      s_out[j] = nan ? NAN : (sum > 0.f ? m + log2f(sum) * MergeAccumulator::kLn2 : -INFINITY);
+      s_out[j] = merged_lse(m, sum, nan);
       if (chunk + j * 32 + lane < total) {
         int row, head, col;
         locate(j, row, head, col);

@@ -61,16 +61,39 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
+template <int kN, typename Leaf, typename Op>
+__device__ __forceinline__ float tree_reduce(Leaf leaf, Op op) {
+  static_assert(kN > 0 && (kN & (kN - 1)) == 0, "a power of two");
+  if constexpr (kN == 1) {
+    return leaf(0);
+  } else {
+    return op(tree_reduce<kN / 2>(leaf, op), tree_reduce<kN / 2>([&](int j) { return leaf(j + kN / 2); }, op));
+  }
+}
+
+// max(m, max of row r) over whole rows (reduced over the quad), the blocks taken in column order.
+template <int kCols>
+__device__ __forceinline__ float row_max(const AccTile<kCols>& tile, int r, float m) {
+#pragma unroll
+  for (int j = 0; j < AccTile<kCols>::kBlocks; ++j) m = fmaxf(m, fmaxf(tile.v[j][2 * r], tile.v[j][2 * r + 1]));
+  return quad_max(m);
+}
+
+// row_max with the blocks reduced as a balanced tree: a dependency chain of log2(kBlocks) instead
+// of kBlocks maxima (prefill_portable.md v10).
+template <int kCols>
+__device__ __forceinline__ float row_max_tree(const AccTile<kCols>& tile, int r, float m) {
+  auto lane_max = [&](int j) { return fmaxf(tile.v[j][2 * r], tile.v[j][2 * r + 1]); };
+  m = fmaxf(m, tree_reduce<AccTile<kCols>::kBlocks>(lane_max, [](float a, float b) { return fmaxf(a, b); }));
+  return quad_max(m);
+}
+
 // m[r] = max(m[r], max of row r): whole rows (reduced over the quad).
 template <int kCols>
 __device__ __forceinline__ void row_max(const AccTile<kCols>& tile, float (&m)[2]) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float x = m[r];
-#pragma unroll
-    for (int j = 0; j < AccTile<kCols>::kBlocks; ++j) x = fmaxf(x, fmaxf(tile.v[j][2 * r], tile.v[j][2 * r + 1]));
-    m[r] = quad_max(x);
-  }
+  for (int r = 0; r < 2; ++r) m[r] = row_max(tile, r, m[r]);
 }
 
 // s[r] += sum of this lane's elements of row r (a partial sum: quad_sum completes it).
@@ -83,6 +106,14 @@ __device__ __forceinline__ void row_sum_partial(const AccTile<kCols>& tile, floa
     for (int j = 0; j < AccTile<kCols>::kBlocks; ++j) x += tile.v[j][2 * r] + tile.v[j][2 * r + 1];
     s[r] += x;
   }
+}
+
+// This lane's sum of row r with the blocks added as a balanced tree (a partial sum: quad_sum
+// completes it).
+template <int kCols>
+__device__ __forceinline__ float row_sum_tree(const AccTile<kCols>& tile, int r) {
+  return tree_reduce<AccTile<kCols>::kBlocks>([&](int j) { return tile.v[j][2 * r] + tile.v[j][2 * r + 1]; },
+                                              [](float a, float b) { return a + b; });
 }
 
 // Row r times f[r].
@@ -101,6 +132,31 @@ __device__ __forceinline__ void exp2_row(AccTile<kCols>& tile, float scale, cons
   for (int j = 0; j < AccTile<kCols>::kBlocks; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) tile.v[j][e] = exp2_approx(fmaf(tile.v[j][e], scale, -offset[e / 2]));
+}
+
+// x = 2^(x * scale - offset) in place on row r only.
+template <int kCols>
+__device__ __forceinline__ void exp2_row(AccTile<kCols>& tile, int r, float scale, float offset) {
+#pragma unroll
+  for (int j = 0; j < AccTile<kCols>::kBlocks; ++j)
+#pragma unroll
+    for (int e = 2 * r; e < 2 * r + 2; ++e) tile.v[j][e] = exp2_approx(fmaf(tile.v[j][e], scale, -offset));
+}
+
+// exp2_row on row r, returning this lane's sum of the new values added one by one in column order
+// (a partial sum: quad_sum completes it).
+template <int kCols>
+__device__ __forceinline__ float exp2_row_sum(AccTile<kCols>& tile, int r, float scale, float offset) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < AccTile<kCols>::kBlocks; ++j) {
+#pragma unroll
+    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+      tile.v[j][e] = exp2_approx(fmaf(tile.v[j][e], scale, -offset));
+      sum += tile.v[j][e];
+    }
+  }
+  return sum;
 }
 
 // Columns [16k, 16k + 16) of the tile in T as the A operand of an m16 x k16 product (mma.sync

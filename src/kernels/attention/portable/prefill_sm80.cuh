@@ -18,160 +18,49 @@
 #include "core/once_per_device.h"
 #include "kernels/attention/common/logits.cuh"
 #include "kernels/attention/common/mask.cuh"
+#include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/portable/kv_source_sm80.cuh"
+#include "kernels/attention/portable/prefill_config_sm80.cuh"
+#include "kernels/attention/portable/prefill_epilogue_sm80.cuh"
+#include "kernels/attention/portable/prefill_mainloop_sm80.cuh"
+#include "kernels/attention/portable/prefill_mainloop_sm80.cuh"
+#include "kernels/attention/portable/prefill_scheduler_sm80.cuh"
+#include "kernels/attention/portable/prefill_softmax_sm80.cuh"
+#include "kernels/attention/portable/prefill_warp_sm80.cuh"
+#include "kernels/attention/portable/row_softmax_sm80.cuh"
 #include "kernels/attention/prefill_params.h"
 #include "kernels/common/mma_sm80.cuh"
 
 namespace tessera::kernels::sm80 {
 
-// Tile shapes and load order by head dim, chosen by measurement on H200 (bf16, 16K tokens, hidden
-// 2048, TFLOP/s; see notes/prefill_portable.md):
-// - 32 rows per warp beat 16 at hd64 (304 vs 273) and at hd128 (316 vs 285); 32-key tiles lose at
-//   hd128 (323 vs 326 at 32 rows per warp); capping registers for 3 CTAs/SM lost 5-10%.
-// - hd256: 8 warps, 64-key tiles, one CTA per SM. FA2's shape (8 warps of 16 rows) waited on
-//   shared memory: every warp read the whole K and V tile for its 16 rows (297 at best). Warp
-//   pairs on 32 rows (each K / V fragment then serves two m16 tiles: 100 ldmatrix.x4 per 256
-//   mma instead of 144) reach 322 (+7.5%, prefill_portable.md v11). K(j+1) is requested after the
-//   row maxima (below); right after S(j) lost with pairs (316.7 vs 322.7), where FA2's shape had
-//   preferred it (297 vs 292).
-// - At hd64 the softmax's row max and sum are reduced as trees: the chain of 16 dependent adds
-//   per row was exposed with two warps per scheduler (+1.1% at hd64; hd128 lost 1.3%, hd256 even).
-// - Whole tiles of ragged K/V are copied with one address per thread (hd128 +10% with the
-//   conditional O rescale; hd64 loses 3% with it, so it keeps the general copy). Paged tiles read
-//   all their rows' offsets before issuing the copies (kv_source_sm80.cuh).
-// kCompact: the shape for GPUs whose shared memory per block is too small for the default one
-// (99 KB on sm_86 / sm_89; the wide hd256 tile needs 145 KB): hd256 keeps 4 warps and 32-key tiles
-// (66 KB). Identical to the default at hd64 / hd128.
-template <int kHeadDimT, bool kCompact = false>
-struct PrefillConfig {
-  static constexpr int kHeadDim = kHeadDimT;
-  static constexpr bool kWide = kHeadDim == 256 && !kCompact;  // 128 x 64 hd256 tile, 8 warps
-  static constexpr int kWarps = kWide ? 8 : 4;
-  static constexpr int kThreads = kWarps * 32;
-  // Warp pairs (kWide): two warps share 32 rows; S = Q K^T is split between them by keys, O += P V
-  // by head dims, and each reads the other's half of P from shared memory. Each K and V fragment
-  // read then serves two m16 tiles: 100 ldmatrix.x4 per warp and 256 mma instead of 144.
-  static constexpr bool kWarpPairs = kWide;
-  static constexpr int kKeyHalves = kWarpPairs ? 2 : 1;
-  static constexpr int kRowGroups = kWarps / kKeyHalves;   // warps (or pairs) with their own rows
-  static constexpr int kMTiles = kHeadDim <= 128 || kWarpPairs ? 2 : 1;  // m16 row tiles per warp
-  static constexpr int kBlockM = 16 * kMTiles * kRowGroups;  // query rows per CTA
-  static constexpr int kBlockN = kHeadDim == 256 && !kWide ? 32 : 64;  // keys per K/V tile
-  static constexpr int kTileBytes = (kBlockM + 2 * kBlockN) * kHeadDim * 2;  // Q, K, V
-  // Warp pairs: P (kBlockM x kBlockN) and one float per (key half, row) for the row max / sum.
-  static constexpr int kExchangeBytes = kWarpPairs ? kBlockM * kBlockN * 2 + kKeyHalves * kBlockM * 4 : 0;
-  static constexpr int kSmemBytes = kTileBytes + kExchangeBytes;
-  // CTAs per SM the register budget is sized for (65536 / (kThreads x CTAs) registers per thread).
-  static constexpr int kMinBlocksPerSM = kWide ? 1 : 2;
-  static constexpr bool kRaggedFullTileCopy = kHeadDim != 64;
-  // The softmax's row max and row sum as trees rather than chains (prefill_portable.md v10).
-  static constexpr bool kTreeRowReductions = kHeadDim == 64;
-  // K(j+1) requested between the row maxima and the exponentials rather than after the softmax,
-  // so that the exponentials and O += P V form one basic block: hd64 310.5 vs 303.6, hd256 324.0
-  // vs 320.1 (paged +3%); hd128 lost 1.5% (355.6 vs 360.9; prefill_portable.md v12). The compact
-  // hd256 shape, timed on the H200 under a 99 KB limit: 288.0 vs 275.5 (16K causal 292.0 vs 281.7).
-  static constexpr bool kExponentialsAfterKeyRequest = kHeadDim == 64 || kHeadDim == 256;
-  // O rescaled on every tile, so that no branch separates the maxima from the exponentials
-  // (prefill_portable.md v13): hd64 8K 317.7 vs 308.2 TFLOP/s, wide hd256 8K 330.5 vs 323.9 and
-  // 16K causal 336.1 vs 329.9. hd128 (v12 order) lost 3-4% to spills with it; the compact hd256
-  // shape is even with it (285.6 vs 288.0 at 8K, 292.3 vs 292.0 at 16K causal), so it keeps the branch.
-  static constexpr bool kRescaleEveryTile = kHeadDim == 64 || kWide;
-};
-
-// op over leaf(0) .. leaf(kN - 1) as a balanced tree (kN a power of two), fully unrolled.
-template <int kN, typename Leaf, typename Op>
-__device__ __forceinline__ float tree_reduce(Leaf leaf, Op op) {
-  static_assert(kN > 0 && (kN & (kN - 1)) == 0, "a power of two");
-  if constexpr (kN == 1) {
-    return leaf(0);
-  } else {
-    return op(tree_reduce<kN / 2>(leaf, op), tree_reduce<kN / 2>([&](int j) { return leaf(j + kN / 2); }, op));
-  }
-}
-
 using kernels::MaskBand;
-
-// Copies rows [row0, row0 + kRows) of one head of a ragged [rows, heads, kHeadDim] tensor into a
-// swizzled shared tile; rows at or past `valid_rows` are zero-filled.
-template <typename T, int kRows, int kHeadDim, int kThreads>
-__device__ void load_tile_async(const SwizzledTile<T, kRows, kHeadDim>& tile, const T* head_base,
-                                int64_t row_stride, int row0, int valid_rows) {
-  const T* base = head_base + int64_t(row0) * row_stride;
-  copy_tile_rows<T, kRows, kHeadDim, kThreads>(tile, valid_rows - row0,
-                                               [&](int r) { return base + r * row_stride; });
-}
 
 // KV: RaggedKV or PagedKV of kv_source_sm80.cuh, instantiated for this tile shape.
 template <typename T, typename Config, typename Logits, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     prefill_sm80_kernel(const PrefillParams p) {
-  constexpr int kHeadDim = Config::kHeadDim;
-  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kThreads = Config::kThreads;
-  constexpr int kMTiles = Config::kMTiles;  // m16 tiles per warp
-  constexpr int kKSteps = kHeadDim / 16;    // k-steps of Q K^T
-
-  // CTAs start roughly in grid order (x fastest). Causal: grid (heads, requests, query tiles from
-  // the last), so the heaviest tiles of every (request, head) go first and the light ones fill the
-  // tail (measured +10% at 2K-8K causal against heavy-first within each head). Otherwise tiles are
-  // equal: grid (query tiles, requests, heads), so the CTAs running together share a head's K/V
-  // in L2.
-  const bool tiles_last = p.grid_tiles_last;
-  const int m_tile = tiles_last ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x;
-  const int request = blockIdx.y;
-  const int head = tiles_last ? blockIdx.x : blockIdx.z;
-  const int q_start = p.qo_indptr[request];
-  const int qo_len = p.qo_indptr[request + 1] - q_start;
-  const int m0 = m_tile * kBlockM;
-  if (m0 >= qo_len) return;
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kMTiles = Config::kMTiles;
+  const PrefillWorkTile work = prefill_work_tile<kBlockM>(p);
+  if (!work.has_rows()) return;
+  const int request = work.request, head = work.head, q_start = work.q_start, qo_len = work.qo_len, m0 = work.m0;
   const int kv_head = head / (p.num_qo_heads / p.num_kv_heads);
   extern __shared__ __align__(128) unsigned char smem[];
   KV kv(p, request, kv_head, smem + Config::kSmemBytes);
   const int kv_len = kv.kv_len;
   const MaskBand band{qo_len, kv_len, kv_len - qo_len, p.causal, p.window_left};
 
+  // This warp's place in the CTA (prefill_warp_sm80.cuh), computed here for the parts.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // Warp w (or pair w % kRowGroups) owns CTA rows {mt * 16 * kRowGroups + (w % kRowGroups) * 16 +
-  // [0, 16)}; this lane holds rows g and g + 8 of each of its m16 tiles. In a pair, warp half
-  // `half` computes S for keys [half, half + 1) * kSKeys of each tile and O for head dims
-  // [half, half + 1) * kODims.
-  constexpr int kRowGroups = Config::kRowGroups, kKeyHalves = Config::kKeyHalves;
-  constexpr int kSKeys = kBlockN / kKeyHalves, kSNTiles = kSKeys / 8;  // keys of S per warp
-  constexpr int kODims = kHeadDim / kKeyHalves, kODTiles = kODims / 8;  // dims of O per warp
-  const int row_group = Config::kWarpPairs ? warp % kRowGroups : warp;
-  const int half = Config::kWarpPairs ? warp / kRowGroups : 0;  // a constant 0 without pairs
-  auto tile_row = [&](int mt) { return mt * 16 * kRowGroups + row_group * 16; };
+  const int row_group = Config::kWarpPairs ? warp % Config::kRowGroups : warp;
+  const int half = Config::kWarpPairs ? warp / Config::kRowGroups : 0;  // a constant 0 without pairs
+  const PrefillWarp<Config> wp{warp, lane, g, t, row_group, half};
 
-  const SwizzledTile<T, kBlockM, kHeadDim> q_tile{reinterpret_cast<T*>(smem)};
-  const SwizzledTile<T, kBlockN, kHeadDim> k_tile{q_tile.base + kBlockM * kHeadDim};
-  const SwizzledTile<T, kBlockN, kHeadDim> v_tile{k_tile.base + kBlockN * kHeadDim};
-  // ldmatrix lanes: Q (A operand) and V (B, transposed) read rows (l%8) + 8*((l/8)%2), chunk l/16;
-  // K (B operand) reads rows (l%8) + 8*(l/16), chunk (l/8)%2.
-  const LdmatrixLane<T, kBlockM, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
-  const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(k_tile, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
-  const LdmatrixLane<T, kBlockN, kHeadDim> v_lane =
-      LdmatrixLane<T, kBlockN, kHeadDim>(v_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16).shifted(half * kODims);
-  // Warp pairs: P as a swizzled kBlockM x kBlockN tile; this lane's stores (row g + 8r of each m16
-  // tile, keys 2t, 2t + 1 of each of its 8-key tiles j: chunk (half * kSNTiles + j) ^ g) and its
-  // ldmatrix addresses into the partner's key half (k-steps 2 (1 - half) + kk, A-operand pattern).
-  T* const p_base = reinterpret_cast<T*>(smem + Config::kTileBytes);
+  const PrefillMainloop<T, Config> mainloop(smem, lane, half);
   float* const exchange = reinterpret_cast<float*>(smem + Config::kTileBytes + kBlockM * kBlockN * 2);
-  T* p_store[kSNTiles];
-  const T* p_load[kSNTiles / 2];
-  if constexpr (Config::kWarpPairs) {
-#pragma unroll
-    for (int j = 0; j < kSNTiles; ++j) p_store[j] = p_base + g * kBlockN + ((half * kSNTiles + j) ^ g) * 8 + 2 * t;
-    const int lane_row = (lane % 8) + ((lane / 8) % 2) * 8;
-#pragma unroll
-    for (int kk = 0; kk < kSNTiles / 2; ++kk) {
-      const int step = (1 - half) * (kSNTiles / 2) + kk;
-      p_load[kk] = p_base + lane_row * kBlockN + ((2 * step + lane / 16) ^ (lane_row % 8)) * 8;
-    }
-  }
-  // The pair's barrier (ids 1..kRowGroups; 0 is __syncthreads').
-  auto pair_sync = [&] { named_barrier_sync(1 + row_group, kKeyHalves * 32); };
-  static_assert(kRowGroups < 16, "named barrier ids 1..15");
-
+  T* p_store[Config::kSNTiles];
+  const T* p_load[Config::kSNTiles / 2];
+  pair_p_addresses<Config>(reinterpret_cast<T*>(smem + Config::kTileBytes), wp, p_store, p_load);
   const T* q_head = static_cast<const T*>(p.q) + int64_t(q_start) * p.q_stride_row + head * p.q_stride_head;
 
   // The KV tiles this CTA visits: those meeting the band of any of its rows.
@@ -181,296 +70,42 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int first_tile = n_begin / kBlockN;
   const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
 
-  float o_acc[kMTiles][kODTiles][4] = {};
-  float row_max[kMTiles][2];  // log2 units
-  float row_sum[kMTiles][2];  // this lane's partial sums; reduced over the row's 4 lanes at the end
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    row_max[mt][0] = row_max[mt][1] = -INFINITY;
-    row_sum[mt][0] = row_sum[mt][1] = 0.f;
-  }
-
-  load_tile_async<T, kBlockM, kHeadDim, kThreads>(q_tile, q_head, p.q_stride_row, m0, qo_len);
-  if (first_tile < end_tile) {
-    if constexpr (KV::kSmemBytes > 0) {  // the first two tiles' page ids, the first's rows located
-      kv.fetch_rows(p, first_tile * kBlockN, first_tile & 1);
-      if (first_tile + 1 < end_tile) kv.fetch_rows(p, (first_tile + 1) * kBlockN, (first_tile + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-      kv.publish_rows(p, first_tile * kBlockN, first_tile & 1);
-      __syncthreads();
-    }
-    kv.load(p, k_tile, first_tile * kBlockN, first_tile & 1, KVPart::kKeys);
-  }
-  cp_async_commit();
-
-  // K(tile + 1) into the K tile, once V(tile) has landed and every warp is done with K(tile):
-  // after the softmax, or between its maxima and exponentials (kExponentialsAfterKeyRequest).
-  auto request_next_keys = [&](int tile) {
-    const int n1 = (tile + 1) * kBlockN;
-    if (tile + 1 < end_tile) kv.publish_rows(p, n1, (tile + 1) & 1);
-    cp_async_wait<0>();
-    __syncthreads();  // V(tile) landed; every warp is done with K(tile); next rows located
-    if (tile + 1 < end_tile) kv.load(p, k_tile, n1, (tile + 1) & 1, KVPart::kKeys);
-    cp_async_commit();
-  };
-
+  AccTile<Config::kODims> o[kMTiles] = {};  // this warp's unnormalised O: its rows, its head dims
+  PrefillRowSoftmax<Config> softmax;
+  mainloop.load_q_and_first_keys(p, kv, q_head, m0, qo_len, first_tile, end_tile);
+  auto request_next_keys = [&](int tile) { mainloop.request_next_keys(p, kv, tile, end_tile); };
   const Logits logits(p.scale, p.soft_cap);
   for (int tile = first_tile; tile < end_tile; ++tile) {
     const int n0 = tile * kBlockN;
-    cp_async_wait<0>();
-    __syncthreads();  // K(tile) (and Q) landed; every warp is done with V(tile - 1)
-    kv.load(p, v_tile, n0, tile & 1, KVPart::kValues);
-    if (tile + 2 < end_tile) kv.fetch_rows(p, n0 + 2 * kBlockN, tile & 1);  // lands with V(tile)
-    cp_async_commit();
+    mainloop.load_values(p, kv, tile, end_tile);
+    // This tile's registers, declared here for the parts (PrefillMainloop::QKFragments says why).
+    AccTile<Config::kSKeys> s[kMTiles] = {};  // S, then P
+    uint32_t q_frag[kMTiles][4], k_frag[4];
+    mainloop.scores(s, wp, {q_frag, k_frag});
 
-    // S = Q K^T over this warp's keys: each K fragment read from shared memory serves all kMTiles
-    // row tiles.
-    float s[kMTiles][kSNTiles][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_lane.at(tile_row(mt), ks));
-#pragma unroll
-      for (int np = 0; np < kSNTiles / 2; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, k_lane.at(half * kSKeys + np * 16, ks));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-
-    // Logits; keys outside the band (or past kv_len) at -inf. Only tiles crossing the band's edge
-    // pay for the per-element test.
+    // Logits; keys outside the band (or past kv_len) at -inf on the tiles that cross its edge.
     if constexpr (!Logits::kIdentity) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][j][e] = logits(s[mt][j][e]);
+      for (int mt = 0; mt < kMTiles; ++mt) for_each(s[mt], [&](float& x, int, int, int) { x = logits(x); });
     }
+    // (MaskBand::tile_crosses_edge's test, on the kernel's parameters: through the band the compiler
+    // ordered it differently and the machine code changed.)
     const bool needs_mask = n0 + kBlockN > kv_len ||
                             (p.causal && n0 + kBlockN - 1 > m0 + band.offset) ||
                             (p.window_left >= 0 && n0 < last_row + band.offset - p.window_left);
-    if (needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = n0 + half * kSKeys + j * 8 + 2 * t + (e & 1);
-            const int row = m0 + tile_row(mt) + g + (e < 2 ? 0 : 8);
-            if (!band.visible(row, key)) s[mt][j][e] = -INFINITY;
-          }
-        }
-      }
-    }
+    if (needs_mask) prefill_mask<Config>(s, band, wp, n0, m0);
 
-    // Online softmax: new row maxima (the 4 lanes of a row share them; a pair exchanges its two
-    // key halves' through shared memory), rescale what came before.
-    auto tile_row_max = [&](int mt, int r) {
-      auto lane_max = [&](int j) { return fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]); };
-      float m = row_max[mt][r];
-      if constexpr (Config::kTreeRowReductions) {
-        m = fmaxf(m, tree_reduce<kSNTiles>(lane_max, [](float a, float b) { return fmaxf(a, b); }));
-      } else {
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j) m = fmaxf(m, lane_max(j));
-      }
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      return fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    };
-    float pair_max[kMTiles][2];
-    if constexpr (Config::kWarpPairs) {
-      // The partner read the previous tile's values before the pair's last barrier.
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          pair_max[mt][r] = tile_row_max(mt, r);
-          if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = pair_max[mt][r];
-        }
-      }
-      pair_sync();
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          pair_max[mt][r] = fmaxf(pair_max[mt][r], exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r]);
-    }
-    float rescale[kMTiles][2];
+    float pair_max[kMTiles][2], rescale[kMTiles][2];
     bool max_moved = false;
-    // The row's new maximum m: its O and sum rescale factor, and whether it moved.
-    auto update_max = [&](int mt, int r, float m) {
-      // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
-      const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
-      rescale[mt][r] = exp2_approx(row_max[mt][r] * logits.log2_scale - m_scaled);
-      max_moved |= m > row_max[mt][r];
-      row_max[mt][r] = m;
-      return m_scaled;
-    };
-    // P = 2^(S log2_scale - m_scaled) in place, and the row sum.
-    auto exponentiate = [&](int mt, int r, float m_scaled) {
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kSNTiles; ++j) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[mt][j][e] = exp2_approx(fmaf(s[mt][j][e], logits.log2_scale, -m_scaled));
-          if constexpr (!Config::kTreeRowReductions) sum += s[mt][j][e];
-        }
-      }
-      if constexpr (Config::kTreeRowReductions) {
-        sum = tree_reduce<kSNTiles>([&](int j) { return s[mt][j][2 * r] + s[mt][j][2 * r + 1]; },
-                                   [](float a, float b) { return a + b; });
-      }
-      row_sum[mt][r] = row_sum[mt][r] * rescale[mt][r] + sum;
-    };
-    // A row whose maximum did not move has rescale exactly 1 (ex2 of 0): O is rescaled only when
-    // some row of the warp moved, which after the first tiles is rare (or on every tile:
-    // kRescaleEveryTile). Results are bitwise those of rescaling always.
-    auto rescale_o = [&] {
-      if (Config::kRescaleEveryTile || __any_sync(0xffffffffu, max_moved)) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int d = 0; d < kODTiles; ++d)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o_acc[mt][d][e] *= rescale[mt][e / 2];
-      }
-    };
-    if constexpr (Config::kExponentialsAfterKeyRequest) {
-      // Maxima, O rescale and K(tile + 1)'s request first: the exponentials and O += P V then
-      // share one basic block (no branch or barrier between them) that the compiler interleaves.
-      float m_scaled[kMTiles][2];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          m_scaled[mt][r] = update_max(mt, r, Config::kWarpPairs ? pair_max[mt][r] : tile_row_max(mt, r));
-      rescale_o();
-      request_next_keys(tile);
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) exponentiate(mt, r, m_scaled[mt][r]);
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          exponentiate(mt, r, update_max(mt, r, Config::kWarpPairs ? pair_max[mt][r] : tile_row_max(mt, r)));
-      rescale_o();
-      request_next_keys(tile);
-    }
+    float m_scaled[kMTiles][2];
+    prefill_softmax_tile<Config>(softmax, s, o, wp, exchange, logits.log2_scale, request_next_keys, tile,
+                                 {pair_max, rescale, max_moved, m_scaled});
 
-    // O += P V over this warp's head dims, P of its own keys taken straight from the S
-    // accumulators (two 8-key tiles make one k16 A tile); a pair's other key half from shared memory.
-    if constexpr (Config::kWarpPairs) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int j = 0; j < kSNTiles; ++j)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-            *reinterpret_cast<uint32_t*>(p_store[j] + (tile_row(mt) + 8 * r) * kBlockN) =
-                pack2<T>(s[mt][j][2 * r], s[mt][j][2 * r + 1]);
-    }
-    auto accumulate_pv = [&](const uint32_t (&a)[kMTiles][4], int key0) {
-#pragma unroll
-      for (int dp = 0; dp < kODTiles / 2; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_lane.at(key0, dp));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<T>(o_acc[mt][2 * dp], a[mt], b[0], b[1]);
-          mma_16816<T>(o_acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
-        }
-      }
-    };
-#pragma unroll
-    for (int ks = 0; ks < kSKeys / 16; ++ks) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        a[mt][0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        a[mt][1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        a[mt][2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        a[mt][3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
-      }
-      accumulate_pv(a, half * kSKeys + ks * 16);
-    }
-    if constexpr (Config::kWarpPairs) {
-      // The partner's half of P is stored. Waiting here, after this warp's own half of P V, measured
-      // 316.7 vs 313.4 TFLOP/s against waiting before it (v11 with K(j+1) requested after S); with
-      // K(j+1) after the softmax, a split bar.arrive (after the stores) / bar.sync (here) lost
-      // 316.4 vs 322.7 (prefill_portable.md v11).
-      pair_sync();
-#pragma unroll
-      for (int ks = 0; ks < kSKeys / 16; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], p_load[ks] + tile_row(mt) * kBlockN);
-        accumulate_pv(a, (1 - half) * kSKeys + ks * 16);
-      }
-    }
+    uint32_t p_own[kMTiles][4], p_partner[kMTiles][4];
+    mainloop.accumulate(s, o, wp, {p_store, p_load}, {p_own, p_partner});
   }
   cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
-
-  // Epilogue: O / l, LSE = (max * log2_scale + log2 l) * ln 2; rows that saw no key give 0 and -inf.
-  T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
-  if constexpr (Config::kWarpPairs) {  // row sums over the row's 4 lanes and both key halves
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float l = row_sum[mt][r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        row_sum[mt][r] = l + __shfl_xor_sync(0xffffffffu, l, 2);
-        if (t == 0) exchange[half * kBlockM + tile_row(mt) + g + 8 * r] = row_sum[mt][r];
-      }
-    }
-    pair_sync();
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) row_sum[mt][r] += exchange[(1 - half) * kBlockM + tile_row(mt) + g + 8 * r];
-  }
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[mt][r];
-      if constexpr (!Config::kWarpPairs) {
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-      }
-      // Nothing visible gives l == 0; a NaN logit gives l = NaN (and row_max may stay -inf,
-      // since fmaxf skips NaN), which must reach O and LSE rather than read as empty.
-      const bool empty = l == 0.f;
-      const float inv_sum = empty ? 0.f : 1.f / l;
-      const int row = m0 + tile_row(mt) + g + 8 * r;
-      if (row >= qo_len) continue;
-      T* o_row = o_head + int64_t(row) * p.o_stride_row + half * kODims;
-#pragma unroll
-      for (int d = 0; d < kODTiles; ++d) {
-        *reinterpret_cast<uint32_t*>(o_row + d * 8 + 2 * t) =
-            pack2<T>(o_acc[mt][d][2 * r] * inv_sum, o_acc[mt][d][2 * r + 1] * inv_sum);
-      }
-      if (p.lse != nullptr && t == 0 && half == 0) {
-        p.lse[int64_t(q_start + row) * p.lse_stride_row + head * p.lse_stride_head] =
-            empty ? -INFINITY
-                  : (row_max[mt][r] * logits.log2_scale + log2f(l)) * 0.6931471805599453f;
-      }
-    }
-  }
+  prefill_epilogue<T, Config>(p, o, softmax, wp, exchange, logits.log2_scale, q_start, qo_len, head, m0);
 }
 
 template <typename T, typename Config, typename Logits, typename KV>
@@ -492,9 +127,7 @@ void launch_prefill_config(const PrefillParams& p, cudaStream_t stream) {
   const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
   if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
   PrefillParams params = p;
-  params.grid_tiles_last = p.causal && m_tiles <= 65535;  // grid z holds at most 65535
-  const dim3 grid = params.grid_tiles_last ? dim3(p.num_qo_heads, p.batch_size, m_tiles)
-                                           : dim3(m_tiles, p.batch_size, p.num_qo_heads);
+  const dim3 grid = prefill_grid(params, m_tiles);
   constexpr int kHeadDim = Config::kHeadDim;
   using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kRaggedFullTileCopy>;
   using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;

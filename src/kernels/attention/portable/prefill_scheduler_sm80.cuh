@@ -1,0 +1,45 @@
+// The work order of the portable prefill kernel: one CTA per (request, query head, kBlockM-row
+// query tile), in grid order.
+//
+// CTAs start roughly in grid order (x fastest). Causal: grid (heads, requests, query tiles from the
+// last), so the heaviest tiles of every (request, head) go first and the light ones fill the tail
+// (measured +10% at 2K-8K causal against heavy-first within each head). Otherwise tiles are equal:
+// grid (query tiles, requests, heads), so the CTAs running together share a head's K/V in L2.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/attention/prefill_params.h"
+
+namespace tessera::kernels::sm80 {
+
+// One CTA's work: query rows [m0, m0 + kBlockM) of `request` (rows [q_start, q_start + qo_len) of
+// Q and O) for query head `head`.
+struct PrefillWorkTile {
+  int request, head;
+  int q_start, qo_len;
+  int m0;
+  __device__ __forceinline__ bool has_rows() const { return m0 < qo_len; }
+};
+
+template <int kBlockM>
+__device__ __forceinline__ PrefillWorkTile prefill_work_tile(const PrefillParams& p) {
+  const bool tiles_last = p.grid_tiles_last;
+  const int m_tile = tiles_last ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x;
+  PrefillWorkTile w;
+  w.request = blockIdx.y;
+  w.head = tiles_last ? blockIdx.x : blockIdx.z;
+  w.q_start = p.qo_indptr[w.request];
+  w.qo_len = p.qo_indptr[w.request + 1] - w.q_start;
+  w.m0 = m_tile * kBlockM;
+  return w;
+}
+
+// The grid of m_tiles query tiles per (request, head), and its order in params.grid_tiles_last.
+inline dim3 prefill_grid(PrefillParams& params, int m_tiles) {
+  params.grid_tiles_last = params.causal && m_tiles <= 65535;  // grid z holds at most 65535
+  return params.grid_tiles_last ? dim3(params.num_qo_heads, params.batch_size, m_tiles)
+                                : dim3(m_tiles, params.batch_size, params.num_qo_heads);
+}
+
+}  // namespace tessera::kernels::sm80
