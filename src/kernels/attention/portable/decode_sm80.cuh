@@ -22,11 +22,8 @@
 
 #include "core/cuda_check.h"
 #include "core/once_per_device.h"
-#include "kernels/attention/common/attention_state.cuh"
-#include "kernels/attention/common/logits.cuh"
-#include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/decode_params.h"
-#include "kernels/attention/portable/row_softmax_sm80.cuh"
+#include "kernels/attention/common/logits.cuh"
 #include "kernels/common/bulk_copy_sm90.cuh"
 #include "kernels/common/dependent_launch.cuh"
 #include "kernels/common/mma_sm80.cuh"
@@ -85,30 +82,42 @@ __device__ inline int page_index(const DecodeParams& p, int token) {
 }
 
 
-// The statistics of one row's split merge over `num_slots` chunk partials (`stride` floats apart),
-// reduced by one warp: each lane merges its slots' LSEs online, then the lanes in closed form.
-__device__ inline MergeStats reduce_row_lses(const float* lse, int64_t stride, int num_slots) {
+// Per-row statistics of a split merge: the largest chunk LSE, the reciprocal of the sum of the
+// chunks' weights e^(lse - max), the merged LSE, and whether a NaN LSE poisons the row.
+struct MergeRowStats {
+  float max_lse, inv_sum, lse;
+  bool nan;
+};
+
+// Reduces the LSEs of one row over `num_slots` chunk partials (`stride` floats apart) with one
+// warp: each lane keeps a running (max, sum) of its slots, then the lanes are combined. States at
+// -inf contribute nothing; no contributor gives inv_sum 0 and LSE -inf.
+__device__ inline MergeRowStats reduce_row_lses(const float* lse, int64_t stride, int num_slots) {
+  constexpr float kLog2e = 1.4426950408889634f;
   const int lane = threadIdx.x % 32;
-  MergeAccumulator<0> slots;
-  // NaN tracked here as well as by the accumulator: this loop's own flag (a predicate, tested
-  // short-circuit) compiles 24-32 instructions shorter than the accumulator's byte flag, which the
-  // compiler then drops.
+  float max_lse = -INFINITY, sum = 0.f;
   bool nan = false;
   for (int s = lane; s < num_slots; s += 32) {
     const float v = __ldcg(lse + s * stride);  // written by other CTAs of this launch: read from L2
     nan = nan || isnan(v);
-    slots.add(v);
+    if (!(v > -INFINITY)) continue;
+    if (v > max_lse) {
+      sum = fmaf(sum, exp2f((max_lse - v) * kLog2e), 1.f);
+      max_lse = v;
+    } else {
+      sum += exp2f((v - max_lse) * kLog2e);
+    }
   }
-  float row_max = slots.max_s;
+  float row_max = max_lse;
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, d));
-  float row_sum = slots.sum_against(row_max);
+  float row_sum = sum > 0.f ? sum * exp2f((max_lse - row_max) * kLog2e) : 0.f;
 #pragma unroll
   for (int d = 16; d > 0; d /= 2) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, d);
   nan = __any_sync(0xffffffffu, nan);
-  MergeStats st;
+  MergeRowStats st;
   st.max_lse = row_max;
-  st.inv_sum = merge_inv_sum(row_sum);
+  st.inv_sum = row_sum > 0.f ? 1.f / row_sum : 0.f;
   st.lse = nan ? NAN : (row_sum > 0.f ? row_max + logf(row_sum) : -INFINITY);
   st.nan = nan;
   return st;
@@ -128,11 +137,12 @@ template <typename T, int kHeadDim, int kThreads>
 __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow& m,
                                      const plan::RequestInfo& req, int group, float* scratch,
                                      int scratch_floats) {
+  constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kVecs = kHeadDim / 4;  // a thread owns 4 consecutive elements of a row
   constexpr int kWarps = kThreads / 32;
   constexpr int kRoundRows = kThreads / kVecs;  // rows of a round when one thread owns a vector
   static_assert(kThreads % kVecs == 0, "a round of pairs covers whole rows");
-  __shared__ MergeStats row_stats[kRoundRows];
+  __shared__ MergeRowStats row_stats[kRoundRows];
   const int rows = req.qo_len * group;
   const int pairs = rows * kVecs;
   const int lanes = pairs >= kThreads ? 1 : kThreads / pairs;
@@ -183,7 +193,7 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
       cp_async_commit();
       if (s0 == 0) {  // the rows' statistics over every slot, while the first slots are staged
         for (int r = threadIdx.x / 32; r < nrows; r += kWarps) {
-          const MergeStats st = reduce_row_lses(p.partial_lse + first_row + row0 + r, rows, m.num_slots);
+          const MergeRowStats st = reduce_row_lses(p.partial_lse + first_row + row0 + r, rows, m.num_slots);
           if (threadIdx.x % 32 == 0) row_stats[r] = st;
         }
       }
@@ -195,7 +205,8 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
       // The slots' weights e^(lse - max), in place of their LSEs. A slot at -inf weighs 0 (its o
       // was written as zeros: no visible key).
       for (int c = threadIdx.x; c < n * nrows; c += kThreads) {
-        staged_lse[c] = row_stats[c % nrows].weight(staged_lse[c]);
+        const float lse = staged_lse[c];
+        staged_lse[c] = lse > -INFINITY ? exp2f((lse - row_stats[c % nrows].max_lse) * kLog2e) : 0.f;
       }
       __syncthreads();
       if (active) {
@@ -228,10 +239,10 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
       __syncthreads();
     }
     if (active && lane == 0) {
-      const MergeStats st = row_stats[rr - row0];
+      const MergeRowStats st = row_stats[rr - row0];
       float out[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) out[e] = st.normalise(acc[e]);
+      for (int e = 0; e < 4; ++e) out[e] = st.nan ? NAN : acc[e] * st.inv_sum;
       const int64_t q_row = req.q_start + rr / group;
       const int head = m.kv_head * group + rr % group;
       *reinterpret_cast<uint2*>(static_cast<T*>(p.o) + q_row * p.o_stride_row + head * p.o_stride_head + col) =
@@ -243,128 +254,6 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   bulk.release();
 #endif
-}
-
-// A warp's state of the 16 rows of a pass (its max in log2 units, its sum, its unnormalised O)
-// into shared memory for combine_warps. Only the pass's real rows: a GQA group of 4 fills 4 of the
-// tile's 16 rows, and the padding rows would be three quarters of this shared-memory traffic.
-template <typename Cfg, int kHeadDim, typename Softmax>
-__device__ __forceinline__ void store_warp_state(const Softmax& softmax, const AccTile<kHeadDim>& o, float log2_scale,
-                                                 float* stat_max, float* stat_sum, float* scratch, int warp, int g,
-                                                 int t, int r0, int rows) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(softmax.row_sum[0][r]);
-    if (r0 + g + 8 * r >= rows) continue;
-    const int row = warp * Cfg::kRows + g + 8 * r;
-    if (t == 0) {
-      const float m = softmax.row_max[0][r];
-      stat_max[row] = m == -INFINITY ? -INFINITY : m * log2_scale;
-      stat_sum[row] = l;
-    }
-#pragma unroll
-    for (int d = 0; d < kHeadDim / 8; ++d) {
-      *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + d * 8 + 2 * t) =
-          make_float2(o.v[d][2 * r], o.v[d][2 * r + 1]);
-    }
-  }
-}
-
-// Combines the warps' states of a pass (closed form, log2 units: attention_state.cuh) and writes
-// O / LSE, or the fp32 partial state of a split request's chunk. A warp contributes when its sum is
-// not 0 (a NaN sum contributes and poisons the row); no contributor means no visible key: O = 0,
-// LSE = -inf.
-template <typename T, typename Cfg>
-__device__ __forceinline__ void combine_warps(const DecodeParams& p, const plan::Task& w, const plan::RequestInfo& req,
-                                              int group, const float* stat_max, const float* stat_sum,
-                                              const float* scratch, int r0, int rows, float (&acc)[8]) {
-  constexpr int kRows = Cfg::kRows, kChunksPerRow = Cfg::kChunksPerRow, kHeadDim = Cfg::kChunksPerRow * 8;
-  for (int u = threadIdx.x; u < kRows * kChunksPerRow; u += Cfg::kThreads) {
-    const int row = u / kChunksPerRow, col = (u % kChunksPerRow) * 8;
-    const int rr = r0 + row;
-    if (rr >= rows) continue;
-    float m = -INFINITY;
-#pragma unroll
-    for (int wi = 0; wi < Cfg::kWarps; ++wi) {
-      if (stat_sum[wi * kRows + row] != 0.f) m = fmaxf(m, stat_max[wi * kRows + row]);
-    }
-    float l = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < Cfg::kWarps; ++wi) {
-      const float sw = stat_sum[wi * kRows + row];
-      if (sw == 0.f) continue;
-      const float weight = Log2Units::weight(stat_max[wi * kRows + row], m);
-      l = fmaf(weight, sw, l);
-      const float* o_w = scratch + (wi * kRows + row) * Cfg::kScratchStride + col;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, o_w[e], acc[e]);
-    }
-    const float inv = state_inv_sum(l);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] *= inv;
-    const float lse = state_lse(m, l);
-    if (w.partial_slot < 0) {
-      const int64_t q_row = req.q_start + rr / group;
-      const int head = w.kv_head * group + rr % group;
-      Vec8<T>::from_float(acc).store(static_cast<T*>(p.o) + q_row * p.o_stride_row + head * p.o_stride_head + col);
-      if (p.lse != nullptr && col == 0) p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = lse;
-    } else {
-      const int64_t prow = p.slot_rows[w.partial_slot] + rr;
-      Vec8<float>::from_float(acc).store(p.partial_o + prow * kHeadDim + col);
-      if (col == 0) p.partial_lse[prow] = lse;
-    }
-  }
-}
-
-// Rows r0 .. r0 + kRows of a decode pass into the Q tile, zeros from `rows` on: row rr is query
-// token q_start + rr / group of query head kv_head * group + rr % group (a KV head's GQA group).
-template <typename T, int kHeadDim, int kThreads, int kRows>
-__device__ __forceinline__ void load_q_rows(const DecodeParams& p, const SwizzledTile<T, kRows, kHeadDim>& q_tile,
-                                            int q_start, int kv_head, int group, int r0, int rows) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-#pragma unroll
-  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
-    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    const int rr = r0 + row;
-    const bool valid = rr < rows;
-    const T* src = static_cast<const T*>(p.q) +
-                   (valid ? int64_t(q_start + rr / group) * p.q_stride_row +
-                                int64_t(kv_head * group + rr % group) * p.q_stride_head
-                          : 0) +
-                   col;
-    cp_async_16(q_tile.at(row, col), src, valid);
-  }
-}
-
-// A split request's chunk is done: the CTA that finishes its last chunk merges all of them (the
-// classic fence-then-count pattern), so no second kernel and no launch gap follow the decode.
-// One thread counts for the CTA with an acquire-release atomic: the barrier before it orders every
-// thread's partial writes before the count (release), the barrier after it orders the count before
-// the merge's reads (acquire). (A full __threadfence() on each side compiles to a sequentially
-// consistent MEMBAR.SC.GPU.)
-template <typename T, int kHeadDim, int kThreads>
-__device__ __forceinline__ void merge_if_last_chunk(const DecodeParams& p, const plan::MergeRow& merge,
-                                                    const plan::RequestInfo& req, int group, int merge_index,
-                                                    float* scratch, int scratch_floats, int& merges_here) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int before;
-    asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n"
-                 : "=r"(before)
-                 : "l"(p.merge_counters + merge_index)
-                 : "memory");
-    merges_here = before == merge.num_slots - 1;
-  }
-  __syncthreads();
-  if (merges_here) {
-    merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch, scratch_floats);
-    // Ready for the next layer's run(): subtract this run's count rather than storing 0, so a
-    // stray extra count (misuse: two runs sharing the workspace concurrently) cannot stick.
-    if (threadIdx.x == 0) atomicSub(p.merge_counters + merge_index, merge.num_slots);
-    __syncthreads();  // the scratch is refilled by the next item
-  }
 }
 
 template <typename T, int kHeadDim, typename Logits, int kStagesT, int kCtasPerSmT>
@@ -394,7 +283,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
   const int copy_row = threadIdx.x / kChunksPerRow;
   const int group = p.num_qo_heads / p.num_kv_heads;
   const Logits logits(p.scale, p.soft_cap);
-  const auto q_lane = LdmatrixLane<T, kRows, kHeadDim>::a_operand(q_tile, lane);
+  const LdmatrixLane<T, kRows, kHeadDim> q_lane(q_tile, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
   // K/V are read once per step: evict-first in L2 (b1 x 32K: 3.09 vs 3.02 TB/s, same run).
   const uint64_t kv_policy = l2_evict_first_policy();
@@ -432,7 +321,18 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
       const int num_tiles = end > begin ? (end - begin + kBlockN - 1) / kBlockN : 0;
 
       // Q rows r0 .. r0 + 15 (zeros past the request's rows); they join the first stage's group.
-      load_q_rows<T, kHeadDim, kThreads>(p, q_tile, req.q_start, w.kv_head, group, r0, rows);
+#pragma unroll
+      for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+        const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+        const int rr = r0 + row;
+        const bool valid = rr < rows;
+        const T* src = static_cast<const T*>(p.q) +
+                       (valid ? int64_t(req.q_start + rr / group) * p.q_stride_row +
+                                    int64_t(w.kv_head * group + rr % group) * p.q_stride_head
+                              : 0) +
+                       col;
+        cp_async_16(q_tile.at(row, col), src, valid);
+      }
 
       // The page ids of this thread's rows of a tile, and the copies of a tile into its stage.
       // Branch-free: rows past `end` read the last valid row's address and copy zeros (cp.async
@@ -486,8 +386,9 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
       if (kStages - 1 < num_tiles) fetch_pages(kStages - 1, page_ids);
       // The query token of this lane's two rows (g and g + 8), for the per-key mask.
       const int lane_qi[2] = {min(r0 + g, rows - 1) / group, min(r0 + g + 8, rows - 1) / group};
-      AccTile<kHeadDim> o = {};  // this warp's unnormalised O of the 16 rows
-      RowSoftmax<1, true, false> softmax;
+      float o_acc[kDTiles][4] = {};
+      float row_max[2] = {-INFINITY, -INFINITY};  // raw logits; scaled into log2 units when used
+      float row_sum[2] = {0.f, 0.f};              // this lane's partial sums
       uint32_t q_frag[Cfg::kQInRegisters ? kKSteps : 1][4];
 
       for (int tile = 0; tile < num_tiles; ++tile) {
@@ -506,27 +407,32 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
 
         const int n0 = begin + tile * kBlockN;
         const KVTile kt = k_tile(tile % kStages), vt = v_tile(tile % kStages);
-        const auto k_lane = LdmatrixLane<T, kBlockN, kHeadDim>::b_operands(kt, lane);
-        const auto v_lane = LdmatrixLane<T, kBlockN, kHeadDim>::a_operand(vt, lane);
+        const LdmatrixLane<T, kBlockN, kHeadDim> k_lane(kt, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+        const LdmatrixLane<T, kBlockN, kHeadDim> v_lane(vt, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
         // S = Q K^T over this warp's 16 keys: two 8-key accumulator tiles.
-        AccTile<16> s = {};
+        float s[2][4] = {};
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
           uint32_t b[4];
           ldmatrix_x4(b, k_lane.at(warp * 16, ks));
           if constexpr (Cfg::kQInRegisters) {
-            mma_16816<T>(s.v[0], q_frag[ks], b[0], b[1]);
-            mma_16816<T>(s.v[1], q_frag[ks], b[2], b[3]);
+            mma_16816<T>(s[0], q_frag[ks], b[0], b[1]);
+            mma_16816<T>(s[1], q_frag[ks], b[2], b[3]);
           } else {
             uint32_t a[4];
             ldmatrix_x4(a, q_lane.at(0, ks));
-            mma_16816<T>(s.v[0], a, b[0], b[1]);
-            mma_16816<T>(s.v[1], a, b[2], b[3]);
+            mma_16816<T>(s[0], a, b[0], b[1]);
+            mma_16816<T>(s[1], a, b[2], b[3]);
           }
         }
 
-        if constexpr (!Logits::kIdentity) for_each(s, [&](float& x, int, int, int) { x = logits(x); });
+        if constexpr (!Logits::kIdentity) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = logits(s[j][e]);
+        }
         // Per-key masking only on tiles that cross the range's end or a row's band edge.
         const bool needs_mask = n0 + kBlockN > end ||
                                 (p.causal && n0 + kBlockN - 1 > qi_first + offset) ||
@@ -540,29 +446,55 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
               const int qi = lane_qi[e / 2];
               const bool visible = key < end && (!p.causal || key <= qi + offset) &&
                                    (p.window_left < 0 || key >= qi + offset - p.window_left);
-              if (!visible) s.v[j][e] = -INFINITY;
+              if (!visible) s[j][e] = -INFINITY;
             }
           }
         }
 
         // Online softmax over this warp's keys (rows g and g + 8; the 4 lanes of a row share them).
         float rescale[2];
-        bool max_moved = false;  // unused: the test below is on the factors
 #pragma unroll
-        for (int r = 0; r < 2; ++r) softmax.update(s, 0, r, logits.log2_scale, rescale[r], max_moved);
+        for (int r = 0; r < 2; ++r) {
+          float m = fmaxf(row_max[r], fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]),
+                                            fmaxf(s[1][2 * r], s[1][2 * r + 1])));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          const float m_scaled = m == -INFINITY ? 0.f : m * logits.log2_scale;
+          rescale[r] = exp2_approx(row_max[r] * logits.log2_scale - m_scaled);
+          row_max[r] = m;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              s[j][e] = exp2_approx(fmaf(s[j][e], logits.log2_scale, -m_scaled));
+              sum += s[j][e];
+            }
+          }
+          row_sum[r] = row_sum[r] * rescale[r] + sum;
+        }
         // Once the running maxima settle (after the first tiles), no row's max moves and the
         // kHeadDim / 2 multiplies of the O rescale are skipped (warp-uniform test).
-        if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) mul_row(o, rescale);
+        if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+          for (int d = 0; d < kDTiles; ++d) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[d][e] *= rescale[e / 2];
+          }
+        }
 
         // O += P V: P straight from the S accumulators (one k16 A tile of 16 keys).
         uint32_t a[4];
-        a_fragment<T>(s, 0, a);
+        a[0] = pack2<T>(s[0][0], s[0][1]);
+        a[1] = pack2<T>(s[0][2], s[0][3]);
+        a[2] = pack2<T>(s[1][0], s[1][1]);
+        a[3] = pack2<T>(s[1][2], s[1][3]);
 #pragma unroll
         for (int dp = 0; dp < kDTiles / 2; ++dp) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, v_lane.at(warp * 16, dp));
-          mma_16816<T>(o.v[2 * dp], a, b[0], b[1]);
-          mma_16816<T>(o.v[2 * dp + 1], a, b[2], b[3]);
+          mma_16816<T>(o_acc[2 * dp], a, b[0], b[1]);
+          mma_16816<T>(o_acc[2 * dp + 1], a, b[2], b[3]);
         }
       }
       cp_async_wait<0>();
@@ -574,19 +506,97 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
       __syncthreads();  // every warp is done with the stages: the combine scratch reuses them
 
       // Each warp's state (max in log2 units, sum, unnormalised O) into shared memory.
-      store_warp_state<Cfg>(softmax, o, logits.log2_scale, stat_max, stat_sum, scratch, warp, g, t, r0, rows);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float l = row_sum[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // Only the pass's real rows: a GQA group of 4 fills 4 of the tile's 16 rows, and the
+        // padding rows would be three quarters of this shared-memory traffic.
+        if (r0 + g + 8 * r >= rows) continue;
+        const int row = warp * kRows + g + 8 * r;
+        if (t == 0) {
+          stat_max[row] = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * logits.log2_scale;
+          stat_sum[row] = l;
+        }
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + d * 8 + 2 * t) =
+              make_float2(o_acc[d][2 * r], o_acc[d][2 * r + 1]);
+        }
+      }
       __syncthreads();
-      // The combine's registers, declared here: as combine_warps' own array the compiler placed them
-      // elsewhere among the kernel's registers, and ptxas emitted different machine code.
-      float acc[8];
-      combine_warps<T, Cfg>(p, w, req, group, stat_max, stat_sum, scratch, r0, rows, acc);
+
+      // Combine the warps: a warp contributes when its sum is not 0 (a NaN sum contributes and
+      // poisons the row); no contributor means no visible key: O = 0, LSE = -inf.
+      for (int u = threadIdx.x; u < kRows * kChunksPerRow; u += kThreads) {
+        const int row = u / kChunksPerRow, col = (u % kChunksPerRow) * 8;
+        const int rr = r0 + row;
+        if (rr >= rows) continue;
+        float m = -INFINITY;
+#pragma unroll
+        for (int wi = 0; wi < Cfg::kWarps; ++wi) {
+          if (stat_sum[wi * kRows + row] != 0.f) m = fmaxf(m, stat_max[wi * kRows + row]);
+        }
+        float l = 0.f, acc[8] = {};
+#pragma unroll
+        for (int wi = 0; wi < Cfg::kWarps; ++wi) {
+          const float sw = stat_sum[wi * kRows + row];
+          if (sw == 0.f) continue;
+          const float weight = exp2_approx(stat_max[wi * kRows + row] - m);
+          l = fmaf(weight, sw, l);
+          const float* o_w = scratch + (wi * kRows + row) * Cfg::kScratchStride + col;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = fmaf(weight, o_w[e], acc[e]);
+        }
+        const bool empty = l == 0.f;
+        const float inv = empty ? 0.f : 1.f / l;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= inv;
+        const float lse = empty ? -INFINITY : (m + log2f(l)) * 0.6931471805599453f;
+        if (w.partial_slot < 0) {
+          const int64_t q_row = req.q_start + rr / group;
+          const int head = w.kv_head * group + rr % group;
+          Vec8<T>::from_float(acc).store(static_cast<T*>(p.o) + q_row * p.o_stride_row +
+                                         head * p.o_stride_head + col);
+          if (p.lse != nullptr && col == 0) {
+            p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = lse;
+          }
+        } else {
+          const int64_t prow = p.slot_rows[w.partial_slot] + rr;
+          Vec8<float>::from_float(acc).store(p.partial_o + prow * kHeadDim + col);
+          if (col == 0) p.partial_lse[prow] = lse;
+        }
+      }
       __syncthreads();  // the scratch and the Q tile are refilled by the next pass
     }
 
     if (w.partial_slot >= 0) {
-      __shared__ int merges_here;  // whether this CTA merges (declared here, as it was: the same layout)
-      merge_if_last_chunk<T, kHeadDim, kThreads>(p, merge, req, group, w.merge, scratch,
-                                                 kStages * Cfg::kStageBytes / 4, merges_here);
+      // Split request: the CTA that finishes its last chunk merges all of them (the classic
+      // fence-then-count pattern), so no second kernel and no launch gap follow the decode.
+      // One thread counts for the CTA with an acquire-release atomic: the barrier before it orders
+      // every thread's partial writes before the count (release), the barrier after it orders the
+      // count before the merge's reads (acquire). (A full __threadfence() on each side compiles
+      // to a sequentially consistent MEMBAR.SC.GPU.)
+      __shared__ int merges_here;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int before;
+        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n"
+                     : "=r"(before)
+                     : "l"(p.merge_counters + w.merge)
+                     : "memory");
+        merges_here = before == merge.num_slots - 1;
+      }
+      __syncthreads();
+      if (merges_here) {
+        merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch,
+                                                    kStages * Cfg::kStageBytes / 4);
+        // Ready for the next layer's run(): subtract this run's count rather than storing 0, so a
+        // stray extra count (misuse: two runs sharing the workspace concurrently) cannot stick.
+        if (threadIdx.x == 0) atomicSub(p.merge_counters + w.merge, merge.num_slots);
+        __syncthreads();  // the scratch is refilled by the next item
+      }
     }
   }
 }
