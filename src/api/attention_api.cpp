@@ -147,6 +147,13 @@ AttentionPath choose_path(const char* entry_point, AttentionPath requested, DTyp
   return c.path;
 }
 
+// The longest request's query rows (host copy of qo_indptr).
+int max_qo_len(const TensorView& qo_indptr, const int32_t* host_qo_indptr) {
+  int max_qo = 0;
+  for (int64_t i = 0; i + 1 < qo_indptr.size(0); ++i) max_qo = std::max(max_qo, host_qo_indptr[i + 1] - host_qo_indptr[i]);
+  return max_qo;
+}
+
 // What both prefill entry points fill the same way: queries, outputs, LSE, qo_indptr, head counts,
 // the launch size and the variant. `max_kv` is the longest request's KV (host copies), checked
 // against the kernels' token limit.
@@ -171,8 +178,7 @@ kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const Te
   p.batch_size = static_cast<int>(qo_indptr.size(0) - 1);
   p.num_qo_heads = static_cast<int>(q.size(1));
   p.num_kv_heads = num_kv_heads;
-  int max_qo = 0;
-  for (int i = 0; i < p.batch_size; ++i) max_qo = std::max(max_qo, host_qo_indptr[i + 1] - host_qo_indptr[i]);
+  const int max_qo = max_qo_len(qo_indptr, host_qo_indptr);
   TESSERA_REQUIRE(check, max_kv <= format::kMaxRowTokens, "kv_indptr",
                   "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
   p.max_qo_len = max_qo;
@@ -227,13 +233,9 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
 }
 
 namespace {
-// The launch's problem shape as the family choice sees it (host copies of qo_indptr).
-dispatch::PrefillProblem ragged_problem(const PrefillArgs& a) {
+// The launch's problem shape as the family choice sees it.
+dispatch::PrefillProblem ragged_problem(const PrefillArgs& a, int max_qo) {
   dispatch::PrefillProblem problem;
-  int max_qo = 0;
-  for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
-    max_qo = std::max(max_qo, a.host_qo_indptr[i + 1] - a.host_qo_indptr[i]);
-  }
   const int64_t block_m = kernels::sm90::prefill_sm90_block_m(static_cast<int>(a.q.size(2)));
   problem.tiles = (a.qo_indptr.size(0) - 1) * a.q.size(1) * ((max_qo + block_m - 1) / block_m);
   problem.shared_memory_per_block = dispatch::shared_memory_per_block();
@@ -245,15 +247,12 @@ AttentionPath choose_prefill_path(const PrefillArgs& args) {
   const detail::ArgCheck check("batch_prefill");
   validate(check, args);
   return choose_path("batch_prefill", args.path, args.q.dtype, static_cast<int>(args.q.size(2)),
-                     ragged_problem(args));
+                     ragged_problem(args, max_qo_len(args.qo_indptr, args.host_qo_indptr)));
 }
 
 void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill");
   validate(check, a);
-  const AttentionPath path = choose_path("batch_prefill", a.path, a.q.dtype, static_cast<int>(a.q.size(2)),
-                                         ragged_problem(a));
-
   int64_t max_kv = 0;
   for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
     max_kv = std::max<int64_t>(max_kv, a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]);
@@ -262,6 +261,8 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
       query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, a.host_qo_indptr,
                         static_cast<int>(a.k.size(1)), max_kv, a.causal, a.window_left, a.scale,
                         a.soft_cap);
+  const AttentionPath path = choose_path("batch_prefill", a.path, a.q.dtype, static_cast<int>(a.q.size(2)),
+                                         ragged_problem(a, p.max_qo_len));
   p.k = a.k.data;
   p.v = a.v.data;
   p.k_stride_row = a.k.stride[0];

@@ -173,16 +173,25 @@ std::atomic<int> g_shared_memory_limit{0};
 
 void limit_shared_memory_per_block(int bytes) { g_shared_memory_limit.store(bytes); }
 
-int shared_memory_per_block() {
-  // Read once per device (it is fixed): this runs on every prefill launch.
-  static std::array<std::atomic<int>, 64> optin_of{};  // 0: not read yet
+namespace {
+// A fixed attribute of the current device, read once per device (devices 0..63; others every
+// time): the prefill entry points read them on every launch.
+template <cudaDeviceAttr kAttribute>
+int current_device_attribute() {
+  static std::array<std::atomic<int>, 64> value_of{};  // 0: not read yet
   int device = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  int optin = device < 64 ? optin_of[device].load(std::memory_order_relaxed) : 0;
-  if (optin == 0) {
-    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (device < 64) optin_of[device].store(optin, std::memory_order_relaxed);
+  int value = device < 64 ? value_of[device].load(std::memory_order_relaxed) : 0;
+  if (value == 0) {
+    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&value, kAttribute, device));
+    if (device < 64) value_of[device].store(value, std::memory_order_relaxed);
   }
+  return value;
+}
+}  // namespace
+
+int shared_memory_per_block() {
+  const int optin = current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
   const int limit = g_shared_memory_limit.load();
   return limit > 0 ? std::min(limit, optin) : optin;
 }
@@ -284,17 +293,7 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::P
   return s;
 }
 
-int sm_count() {
-  static std::array<std::atomic<int>, 64> count_of{};  // 0: not read yet
-  int device = 0;
-  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  int n = device < 64 ? count_of[device].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    if (device < 64) count_of[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
+int sm_count() { return current_device_attribute<cudaDevAttrMultiProcessorCount>(); }
 
 }  // namespace dispatch
 }  // namespace tessera
