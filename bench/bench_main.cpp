@@ -6,9 +6,13 @@
 //   tessera_bench merge name=... rows=16384 heads=32 head_dim=128 n=2 in_dtype=bf16 out_dtype=bf16
 //   tessera_bench decode name=b64_kv4096_p16 batch=64 kv_len=4096 num_qo_heads=32 num_kv_heads=8 head_dim=128 page_size=16
 //                 [layout=NHD|HND] [dtype=bf16|fp16] [lengths=uniform|zipf zipf_s=1.1 seed=1]
+//                 [lengths=list kv_lens=32768,16,300,... (batch values; kv_len not needed)]
 //                 [pipeline_stages=0|2|3] [ctas_per_sm=0|1|2] (0: what the decoder picks)
 //   tessera_bench prefill | prefill_portable name=... batch=... seq=... num_qo_heads=... num_kv_heads=... head_dim=... causal=...
 //   tessera_bench memory name=... seq=... head_dim=... [causal=...]
+//   tessera_bench prefill_plan name=q512_kv32k_b2 batch=2 qo_len=512 kv_len=32768 num_qo_heads=32 num_kv_heads=8
+//                 head_dim=128 page_size=16 [causal=true] [layout=NHD|HND]
+//                 [lengths=list qo_lens=512,1,... kv_lens=16384,4096,... (batch values each)]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,6 +46,35 @@ std::string arg(const Args& a, const char* key, const char* fallback = nullptr) 
 }
 long arg_int(const Args& a, const char* key, const char* fallback = nullptr) {
   return std::stol(arg(a, key, fallback));
+}
+// A list of integers, "32768,16,300" (run_bench.py writes a case's JSON list so); brackets and
+// spaces are skipped, so "[32768, 16, 300]" reads the same.
+std::vector<int32_t> arg_int_list(const Args& a, const char* key) {
+  const std::string s = arg(a, key);
+  std::vector<int32_t> out;
+  size_t i = 0;
+  while (i < s.size()) {
+    if (s[i] == ',' || s[i] == ' ' || s[i] == '[' || s[i] == ']') { ++i; continue; }
+    size_t used = 0;
+    out.push_back(static_cast<int32_t>(std::stol(s.substr(i), &used)));
+    i += used;
+  }
+  return out;
+}
+// The per-request lengths of lengths=list: exactly `batch` values of at least `min_value`.
+std::vector<int32_t> arg_lengths(const Args& a, const char* key, int batch, int32_t min_value) {
+  std::vector<int32_t> v = arg_int_list(a, key);
+  if (static_cast<int>(v.size()) != batch) {
+    std::fprintf(stderr, "tessera_bench: %s has %zu values, batch is %d\n", key, v.size(), batch);
+    std::exit(2);
+  }
+  for (int32_t x : v) {
+    if (x < min_value) {
+      std::fprintf(stderr, "tessera_bench: %s holds %d (< %d)\n", key, x, min_value);
+      std::exit(2);
+    }
+  }
+  return v;
 }
 DType parse_dtype(const std::string& s) {
   if (s == "bf16") return DType::kBF16;
@@ -328,6 +361,34 @@ std::vector<int32_t> zipf_lengths(int batch, int mean, double s, uint64_t seed) 
   return len;
 }
 
+// A page table over per-request lengths, host side: CSR in request order (request i owns
+// ceil(len[i] / P) pages, the last holding the rest) over a pool whose page ids are a permutation
+// drawn with shuffle(splitmix64 seeded with `seed`), so a request's pages are scattered, as in a
+// serving engine. bench/peers.py (shuffled_page_table there) builds the same table for its paged
+// peers.
+struct HostPageTable {
+  std::vector<int32_t> indptr{0}, ids, last;
+  int64_t tokens = 0;
+  int32_t max_len = 0;
+  int num_pages() const { return indptr.back(); }
+};
+
+HostPageTable shuffled_page_table(const std::vector<int32_t>& len, int P, uint64_t seed) {
+  HostPageTable t;
+  for (const int32_t n : len) {
+    const int32_t pages = (n + P - 1) / P;
+    t.indptr.push_back(t.indptr.back() + pages);
+    t.last.push_back(n - (pages - 1) * P);
+    t.tokens += n;
+    t.max_len = std::max(t.max_len, n);
+  }
+  t.ids.resize(t.indptr.back());
+  for (int p = 0; p < t.num_pages(); ++p) t.ids[p] = p;
+  SplitMix64 rng{seed};
+  shuffle(t.ids, rng);
+  return t;
+}
+
 // decode: one query token per request over a paged KV cache, through BatchDecoder (plan once,
 // time run()). Pages are a random permutation of the pool (a request's pages are scattered, as in
 // a serving engine); data is random, never zero. bytes = the K and V rows of every request read
@@ -336,7 +397,7 @@ std::vector<int32_t> zipf_lengths(int batch, int mean, double s, uint64_t seed) 
 // than the L2-rotation budget, several copies of the cache (and of q / o / lse) are rotated; all
 // copies share one page table, so the plan stays valid for every run().
 int bench_decode(const Args& a) {
-  const int batch = arg_int(a, "batch"), kv_len = arg_int(a, "kv_len");
+  const int batch = arg_int(a, "batch");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads");
   const int D = arg_int(a, "head_dim"), P = arg_int(a, "page_size");
   const KVLayout layout = arg(a, "layout", "NHD") == "HND" ? KVLayout::kHND : KVLayout::kNHD;
@@ -345,31 +406,27 @@ int bench_decode(const Args& a) {
   const uint64_t seed = std::stoull(arg(a, "seed", "1"));
   std::vector<int32_t> len;
   if (lengths == "uniform") {
-    len.assign(batch, kv_len);
+    len.assign(batch, static_cast<int32_t>(arg_int(a, "kv_len")));
   } else if (lengths == "zipf") {
-    len = zipf_lengths(batch, kv_len, std::stod(arg(a, "zipf_s", "1.1")), seed);
+    len = zipf_lengths(batch, arg_int(a, "kv_len"), std::stod(arg(a, "zipf_s", "1.1")), seed);
+  } else if (lengths == "list") {
+    len = arg_lengths(a, "kv_lens", batch, 1);
   } else {
-    std::fprintf(stderr, "tessera_bench: lengths must be uniform or zipf, got '%s'\n", lengths.c_str());
+    std::fprintf(stderr, "tessera_bench: lengths must be uniform, zipf or list, got '%s'\n", lengths.c_str());
     return 2;
   }
 
-  // Page table: request i owns ceil(len_i / P) pages, ids a random permutation of the pool.
-  std::vector<int32_t> indptr{0}, last, qo_indptr(batch + 1);
-  int64_t kv_tokens = 0;
-  int32_t max_kv = 0;
-  for (int i = 0; i < batch; ++i) {
-    const int32_t pages = (len[i] + P - 1) / P;
-    indptr.push_back(indptr.back() + pages);
-    last.push_back(len[i] - (pages - 1) * P);
-    kv_tokens += len[i];
-    max_kv = std::max(max_kv, len[i]);
-  }
+  // Page table: request i owns ceil(len_i / P) pages, ids a random permutation of the pool, drawn
+  // from a stream of its own (seed ^ "pages"), not the lengths' stream.
+  const HostPageTable host_table = shuffled_page_table(len, P, seed ^ 0x7061676573ull);
+  const std::vector<int32_t>& indptr = host_table.indptr;
+  const std::vector<int32_t>& ids = host_table.ids;
+  const std::vector<int32_t>& last = host_table.last;
+  const int64_t kv_tokens = host_table.tokens;
+  const int32_t max_kv = host_table.max_len;
+  const int num_pages = host_table.num_pages();
+  std::vector<int32_t> qo_indptr(batch + 1);
   for (int i = 0; i <= batch; ++i) qo_indptr[i] = i;
-  const int num_pages = indptr.back();
-  std::vector<int32_t> ids(num_pages);
-  for (int p = 0; p < num_pages; ++p) ids[p] = p;
-  SplitMix64 page_rng{seed ^ 0x7061676573ull};  // "pages": its own stream, not shared with peers.py
-  shuffle(ids, page_rng);
 
   const size_t esize = dtype_size(dtype);
   const double bytes = double(kv_tokens) * kh * D * 2 * double(esize);
@@ -500,6 +557,91 @@ int bench_prefill_paged(const Args& a) {
   return 0;
 }
 
+// The (query, key) pairs a request of qo query tokens over kv keys computes: all of them, or with
+// the bottom-right causal mask (query i sees keys j <= kv - qo + i) sum_{i<qo} (kv - qo + i + 1).
+double visible_pairs(int64_t qo, int64_t kv, bool causal) {
+  return causal ? double(qo * (kv - qo) + qo * (qo + 1) / 2) : double(qo * kv);
+}
+
+// prefill_plan: chunked prefill over a paged cache through batch_prefill_paged. Request r brings
+// qo_len[r] new query tokens, the last qo_len[r] positions of its kv_len[r] keys (its history and
+// the chunk itself, already in the cache); causal (the default) is bottom-right aligned. FLOPs =
+// 4 * num_qo_heads * head_dim * the visible pairs of every request (visible_pairs), the figure
+// bench/peers.py counts. Pages as shuffled_page_table builds them (seed 7, as prefill_paged);
+// when one input set is smaller than the L2-rotation budget, several copies of the cache and of
+// q / o / lse rotate, all sharing one page table.
+int bench_prefill_plan(const Args& a) {
+  const int batch = arg_int(a, "batch");
+  const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
+  const int P = arg_int(a, "page_size", "16");
+  const KVLayout layout = arg(a, "layout", "NHD") == "HND" ? KVLayout::kHND : KVLayout::kNHD;
+  const bool causal = arg(a, "causal", "true") == "true";
+  const std::string lengths = arg(a, "lengths", "uniform");
+  std::vector<int32_t> qo, kv;
+  if (lengths == "uniform") {
+    qo.assign(batch, static_cast<int32_t>(arg_int(a, "qo_len")));
+    kv.assign(batch, static_cast<int32_t>(arg_int(a, "kv_len")));
+  } else if (lengths == "list") {
+    qo = arg_lengths(a, "qo_lens", batch, 1);
+    kv = arg_lengths(a, "kv_lens", batch, 1);
+  } else {
+    std::fprintf(stderr, "tessera_bench: lengths must be uniform or list, got '%s'\n", lengths.c_str());
+    return 2;
+  }
+  std::vector<int32_t> qo_indptr{0};
+  double pairs = 0.0;
+  for (int r = 0; r < batch; ++r) {
+    if (qo[r] < 1 || qo[r] > kv[r]) {
+      std::fprintf(stderr, "tessera_bench: request %d has qo_len %d over kv_len %d\n", r, qo[r], kv[r]);
+      return 2;
+    }
+    qo_indptr.push_back(qo_indptr.back() + qo[r]);
+    pairs += visible_pairs(qo[r], kv[r], causal);
+  }
+  const int64_t q_rows = qo_indptr.back();
+  const HostPageTable host_table = shuffled_page_table(kv, P, 7);
+  const int num_pages = host_table.num_pages();
+  const DevicePageTable device_table(host_table.indptr, host_table.ids, host_table.last);
+  Buffer d_qo(qo_indptr.size() * 4);
+  cuda_ok(cudaMemcpy(d_qo.get(), qo_indptr.data(), qo_indptr.size() * 4, cudaMemcpyHostToDevice), "upload");
+
+  const size_t pool_bytes = size_t(num_pages) * P * kh * d * 2;
+  const size_t q_bytes = size_t(q_rows) * qh * d * 2, lse_bytes = size_t(q_rows) * qh * 4;
+  const int rot = rotations_for(2.0 * double(host_table.tokens) * kh * d * 2 + 2.0 * q_bytes + lse_bytes);
+  struct Set { std::unique_ptr<Buffer> k, v, q, o, lse; };
+  std::vector<Set> sets;
+  for (int r = 0; r < rot; ++r) {
+    Set st{std::make_unique<Buffer>(pool_bytes), std::make_unique<Buffer>(pool_bytes),
+           std::make_unique<Buffer>(q_bytes), std::make_unique<Buffer>(q_bytes),
+           std::make_unique<Buffer>(lse_bytes)};
+    fill_random(st.k->get(), pool_bytes, 10 * r + 1, false);
+    fill_random(st.v->get(), pool_bytes, 10 * r + 2, false);
+    fill_random(st.q->get(), q_bytes, 10 * r + 3, false);
+    sets.push_back(std::move(st));
+  }
+  auto run_step = [&](int i) {
+    const Set& st = sets[i % rot];
+    PagedPrefillArgs pa;
+    pa.q = TensorView::contiguous(st.q->get(), DType::kBF16, {q_rows, qh, d});
+    pa.qo_indptr = TensorView::contiguous(d_qo.get(), DType::kInt32, {batch + 1});
+    pa.host_qo_indptr = qo_indptr.data();
+    pa.cache = paged_cache(st.k->get(), st.v->get(), DType::kBF16, layout, num_pages, P, kh, d);
+    pa.table = device_table.table;
+    pa.o = TensorView::contiguous(st.o->get(), DType::kBF16, {q_rows, qh, d});
+    pa.lse = TensorView::contiguous(st.lse->get(), DType::kFP32, {q_rows, qh});
+    pa.causal = causal;
+    batch_prefill_paged(pa, nullptr);
+  };
+  const double ms = median_ms(run_step, 3, 20);
+  const double flops = 4.0 * qh * d * pairs;
+  std::printf("{\"suite\": \"prefill_plan\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
+              "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
+              "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\"}\n",
+              arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
+              static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout));
+  return 0;
+}
+
 // memory: one head, seq tokens, hd: what tessera holds beyond its inputs (o + lse + any
 // workspace, from the device's free-memory readings around the call) against what materialised
 // fp32 scores would need.
@@ -524,8 +666,8 @@ int bench_memory(const Args& a) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: tessera_bench ceiling | append | merge | decode | prefill | prefill_portable | memory "
-                         "key=value...\n");
+    std::fprintf(stderr, "usage: tessera_bench ceiling | append | merge | decode | prefill | prefill_portable | "
+                         "prefill_paged | prefill_plan | memory key=value...\n");
     return 2;
   }
   const DeviceInfo info = device_info();
@@ -554,6 +696,7 @@ int main(int argc, char** argv) {
     if (suite == "prefill") return bench_prefill("prefill", a, AttentionPath::kAuto);
     if (suite == "memory") return bench_memory(a);
     if (suite == "prefill_paged") return bench_prefill_paged(a);
+    if (suite == "prefill_plan") return bench_prefill_plan(a);
   } catch (const Error& e) {
     std::fprintf(stderr, "tessera_bench: %s\n", e.what());
     return 1;

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Time PyTorch peers (cuDNN / FlashAttention-2 / FlexAttention SDPA, torch._grouped_mm, plain torch
-ops), FlashInfer's batch prefill where it is installed, and ceilings (copy, read, dense GEMM) on the
-cases in bench/cases/*.json, and write them in the results format shared with tessera's C++
-benchmark (see docs/CONVENTIONS.md):
+ops), FlashInfer's batch prefill and paged decode where it is installed, and ceilings (copy, read,
+dense GEMM) on the cases in bench/cases/*.json, and write them in the results format shared with
+tessera's C++ benchmark (see docs/CONVENTIONS.md):
 
   {"commit", "gpu", "date", "records": [{"suite", "case", "metric", "tessera", "peers", "ceiling",
                                          "params", "notes"}]}
@@ -24,10 +24,10 @@ input set is smaller than ROTATE_BYTES, several sets are rotated so that the L2 
 does not hold them. Every peer runs inside try/except: a peer that fails records null and an error
 string in notes["<peer>_error"], and the others still run.
 
-FlashInfer (prefill suites; peer "flashinfer") is optional: where `import flashinfer` fails, the
-peer records null with the reason, and --no-flashinfer skips it. Its version, the prebuilt kernel
-modules it found (flashinfer/data/aot/) and the time of each head dim's first plan (a module load,
-or a JIT build) go to peers_env["flashinfer"].
+FlashInfer (prefill suites, decode; peer "flashinfer") is optional: where `import flashinfer`
+fails, the peer records null with the reason, and --no-flashinfer skips it. Its version, the
+prebuilt kernel modules it found (flashinfer/data/aot/) and the time of each module's first plan (a
+module load, or a JIT build) go to peers_env["flashinfer"].
 
 Units: ceilings "gemm*" are TFLOP/s, "copy*" and "read*" are TB/s (read + write both counted for
 copy). Peers use the metric of their suite.
@@ -69,8 +69,14 @@ SUITES = {
     # prefill), flashinfer reads them from its own paged cache (same page size, layout, page order).
     "prefill_paged": dict(params=["batch", "seq", "num_qo_heads", "num_kv_heads", "head_dim", "causal"],
                           peers=["cudnn", "torch_flash", "flashinfer"], ceilings=["gemm"]),
-    "decode": dict(params=["batch", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
-                   peers=["cudnn", "cudnn_stream", "torch_flash"], ceilings=["read", "copy"]),
+    # Chunked prefill: qo_len new queries, the last positions of kv_len keys in a paged cache
+    # (uniform qo_len / kv_len, or lengths="list" with qo_lens / kv_lens); causal (default true)
+    # is bottom-right aligned.
+    "prefill_plan": dict(params=["batch", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
+                         peers=["cudnn", "torch_flash", "flashinfer"], ceilings=["gemm"]),
+    # kv_len is the length (uniform) or the mean (zipf); lengths="list" gives kv_lens instead.
+    "decode": dict(params=["batch", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
+                   peers=["cudnn", "cudnn_stream", "torch_flash", "flashinfer"], ceilings=["read", "copy"]),
     # moe_gemm's "gemm" ceiling is per case: one dense torch.mm of the same FLOPs (M=tokens, K, N)
     "moe_gemm": dict(params=["experts", "tokens", "K", "N"],
                      peers=["torch_grouped_mm", "cublas_loop"], ceilings=["read"]),
@@ -81,11 +87,12 @@ SUITES = {
 }
 
 
-# Per-request KV lengths of a decode case: all kv_len, or (lengths="zipf") a skewed batch whose mean
-# is kv_len. The generator is the one of bench/bench_main.cpp (zipf_lengths there), bit for bit:
-# splitmix64 and a Fisher-Yates shuffle on 64-bit integers, and double arithmetic with plain
-# left-to-right sums (not sum(), which compensates since Python 3.12) and no fused multiply-add.
-# Both sides report the total as "kv_tokens"; merge_into() flags a mismatch.
+# Per-request KV lengths of a decode case: all kv_len, (lengths="zipf") a skewed batch whose mean
+# is kv_len, or (lengths="list") the case's own kv_lens. The zipf generator is the one of
+# bench/bench_main.cpp (zipf_lengths there), bit for bit: splitmix64 and a Fisher-Yates shuffle on
+# 64-bit integers, and double arithmetic with plain left-to-right sums (not sum(), which
+# compensates since Python 3.12) and no fused multiply-add. Both sides report the total as
+# "kv_tokens"; merge_into() flags a mismatch.
 
 M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -138,7 +145,54 @@ def decode_lengths(p):
         return [p["kv_len"]] * p["batch"]
     if kind == "zipf":
         return zipf_lengths(p["batch"], p["kv_len"], float(p.get("zipf_s", 1.1)), int(p.get("seed", 1)))
-    raise ValueError("lengths must be uniform or zipf, got %r" % kind)
+    if kind == "list":
+        return list_lengths(p, "kv_lens", 1)
+    raise ValueError("lengths must be uniform, zipf or list, got %r" % kind)
+
+
+def list_lengths(p, key, min_value):
+    """A case's explicit per-request lengths (lengths="list"): `batch` integers >= min_value, as
+    arg_lengths() in bench/bench_main.cpp requires them."""
+    values = p.get(key)
+    if not isinstance(values, list) or len(values) != p["batch"]:
+        raise ValueError("%s must be a list of batch (%d) lengths" % (key, p["batch"]))
+    if any(not isinstance(v, int) or v < min_value for v in values):
+        raise ValueError("%s must hold integers >= %d" % (key, min_value))
+    return list(values)
+
+
+def plan_lengths(p):
+    """(qo_lens, kv_lens) of a prefill_plan case: uniform qo_len / kv_len, or the lists."""
+    if p.get("lengths", "uniform") == "list":
+        qo, kv = list_lengths(p, "qo_lens", 1), list_lengths(p, "kv_lens", 1)
+    elif p.get("lengths", "uniform") == "uniform":
+        qo, kv = [p["qo_len"]] * p["batch"], [p["kv_len"]] * p["batch"]
+    else:
+        raise ValueError("lengths must be uniform or list, got %r" % p["lengths"])
+    if any(q > k for q, k in zip(qo, kv)):
+        raise ValueError("every request needs qo_len <= kv_len (its queries are its last positions)")
+    return qo, kv
+
+
+def visible_pairs(qo, kv, causal):
+    """(query, key) pairs a request computes: all, or bottom-right causal (query i sees keys
+    j <= kv - qo + i): sum_{i<qo} (kv - qo + i + 1); visible_pairs() in bench/bench_main.cpp."""
+    return qo * (kv - qo) + qo * (qo + 1) // 2 if causal else qo * kv
+
+
+def shuffled_page_table(lengths, page_size, seed):
+    """Host page table as shuffled_page_table() in bench/bench_main.cpp builds it: CSR in request
+    order, request i owning ceil(len_i / page_size) pages (the last holding the rest), page ids a
+    permutation of the pool drawn with shuffle(seed). Returns (indptr, ids, last_page_len)."""
+    indptr, last = [0], []
+    for n in lengths:
+        pages = (n + page_size - 1) // page_size
+        indptr.append(indptr[-1] + pages)
+        last.append(n - (pages - 1) * page_size)
+    return indptr, shuffle(list(range(indptr[-1])), seed), last
+
+
+DECODE_PAGES_SEED_XOR = 0x7061676573  # "pages": bench_decode's page ids come from seed ^ this
 
 
 def merge_dtypes(p):
@@ -150,6 +204,10 @@ def case_work(suite, p):
     if suite in ("prefill", "prefill_portable", "prefill_paged"):
         flops = 4 * p["batch"] * p["num_qo_heads"] * p["seq"] * p["seq"] * p["head_dim"]
         return flops / 2 if p["causal"] else flops
+    if suite == "prefill_plan":  # exact visible pairs, the causal-masked ones excluded
+        causal = p.get("causal", True)
+        return 4 * p["num_qo_heads"] * p["head_dim"] * sum(
+            visible_pairs(q, k, causal) for q, k in zip(*plan_lengths(p)))
     if suite == "decode":  # K and V rows of every request read once (real lengths, no padding)
         return (sum(decode_lengths(p)) * p["num_kv_heads"] * p["head_dim"] * 2
                 * DTYPE_SIZE[p.get("dtype", "bf16")])
@@ -173,6 +231,10 @@ def set_bytes(suite, p):
         q = p["batch"] * p["num_qo_heads"] * p["seq"] * p["head_dim"] * 2
         kv = p["batch"] * p["num_kv_heads"] * p["seq"] * p["head_dim"] * 2
         return 2 * q + 2 * kv
+    if suite == "prefill_plan":  # q and o, the real K and V rows
+        qo, kv = plan_lengths(p)
+        return (2 * sum(qo) * p["num_qo_heads"] * p["head_dim"] * 2
+                + 2 * sum(kv) * p["num_kv_heads"] * p["head_dim"] * 2)
     if suite == "decode":
         return case_work(suite, p) + 2 * p["batch"] * p["num_qo_heads"] * p["head_dim"] * DTYPE_SIZE[
             p.get("dtype", "bf16")]
@@ -204,10 +266,23 @@ def load_cases(case_dir, only_suites):
                 if in_dt not in DTYPE_SIZE or out_dt not in DTYPE_SIZE:
                     missing.append("dtype or in_dtype/out_dtype (bf16|fp16|fp32)")
             if suite == "decode":
-                if c.get("lengths", "uniform") not in ("uniform", "zipf"):
-                    missing.append("lengths uniform|zipf")
+                kind = c.get("lengths", "uniform")
+                if kind not in ("uniform", "zipf", "list"):
+                    missing.append("lengths uniform|zipf|list")
+                elif kind == "list":
+                    try:
+                        list_lengths(c, "kv_lens", 1)
+                    except (KeyError, ValueError) as e:
+                        missing.append("kv_lens (%s)" % e)
+                elif "kv_len" not in c:
+                    missing.append("kv_len")
                 if c.get("dtype", "bf16") not in ("bf16", "fp16"):
                     missing.append("dtype bf16|fp16")
+            if suite == "prefill_plan":
+                try:
+                    plan_lengths(c)
+                except (KeyError, ValueError) as e:
+                    missing.append("qo_len and kv_len, or lengths list with qo_lens and kv_lens (%s)" % e)
             if missing:
                 raise ValueError("%s: case %r lacks %s" % (path, c.get("name"), ", ".join(missing)))
         out.append((suite, doc["metric"], doc["cases"]))
@@ -657,21 +732,121 @@ def peer_flash_varlen_decode(sets, cu_q, cu_k, starts, p, budget_s):
                                                "the real lengths), one launch")
 
 
-DECODE_CACHE = {}  # page_size / layout variants share the peers' figure (the peers have no pages)
+def peer_flashinfer_decode(fi, p, lengths, args, notes):
+    """FlashInfer's paged decode, BatchDecodeWithPagedKVCacheWrapper(workspace, LAYOUT,
+    use_tensor_cores=...), on tessera's page table: shuffled_page_table() with bench_decode's page
+    seed (same page size, layout, page ids and order), over random K/V pools [num_pages, P, Hkv, d]
+    (NHD) or [num_pages, Hkv, P, d] (HND), as many rotated sets as the other peers. Both of its
+    kernels are timed: use_tensor_cores=False (the CUDA-core batch-decode module) and True
+    (planned through its prefill path, backend fa2 for bf16/fp16), each planned once, run(out=)
+    timed; their figures go to notes["flashinfer_cuda_cores"] / ["flashinfer_tensor_cores"] and the
+    faster is the peer's. Before timing, each one's output on the longest and the shortest request
+    is checked against fp32 SDPA over the same pages."""
+    b, hq, hkv, d, ps = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]
+    layout = p.get("layout", "NHD")
+    dtype = TORCH_DTYPE[p.get("dtype", "bf16")]
+    indptr, ids, last = shuffled_page_table(lengths, ps, int(p.get("seed", 1)) ^ DECODE_PAGES_SEED_XOR)
+    shape = (indptr[-1], ps, hkv, d) if layout == "NHD" else (indptr[-1], hkv, ps, d)
+    sets = [(randn(b, hq, d, dtype=dtype), (randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)))
+            for _ in range(num_sets(set_bytes("decode", p)))]
+    out = torch.empty(b, hq, d, device="cuda", dtype=dtype)
+    kv_indptr, kv_indices, kv_last = (torch.tensor(x, device="cuda", dtype=torch.int32) for x in (indptr, ids, last))
+
+    def reference(i):
+        q, (k_pages, v_pages) = sets[0]
+        page_ids = kv_indices[indptr[i]:indptr[i + 1]].long()
+
+        def rows(pages):  # request i's K or V rows, [1, Hkv, len_i, d]
+            x = pages[page_ids]
+            x = x.reshape(-1, hkv, d) if layout == "NHD" else x.transpose(1, 2).reshape(-1, hkv, d)
+            return x[:lengths[i]].transpose(0, 1).unsqueeze(0).float()
+
+        return F.scaled_dot_product_attention(  # GQA as query heads folded into q_len
+            q[i].view(1, hkv, hq // hkv, d).float(), rows(k_pages), rows(v_pages)).reshape(hq, d)
+
+    checked = sorted({lengths.index(max(lengths)), lengths.index(min(lengths))})
+    refs = {i: reference(i) for i in checked}
+    values, parts = {}, []
+    for tensor_cores in (False, True):
+        label = "tensor_cores" if tensor_cores else "cuda_cores"
+        key = ("decode_" + label, d, p.get("dtype", "bf16"))
+        if key in FLASHINFER["failed"]:
+            notes["flashinfer_%s_error" % label] = "skipped: its first plan failed: " + FLASHINFER["failed"][key]
+            continue
+        try:
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(FLASHINFER["workspace"], layout,
+                                                            use_tensor_cores=tensor_cores)
+            first = key not in FLASHINFER["planned"]
+            t0 = time.perf_counter()
+            try:  # the first plan of a kernel loads (or JIT-builds) its module
+                wrapper.plan(kv_indptr, kv_indices, kv_last, hq, hkv, d, ps, pos_encoding_mode="NONE",
+                             q_data_type=dtype, kv_data_type=dtype)
+                torch.cuda.synchronize()
+            except Exception as e:
+                if first:
+                    FLASHINFER["failed"][key] = error_text(e)[:200]
+                raise
+            plan_s = time.perf_counter() - t0
+            if first:
+                FLASHINFER["planned"].add(key)
+                FLASHINFER["first_plan_s"]["hd%d_decode_%s" % (d, label)] = round(plan_s, 1)
+
+            def call(x, wrapper=wrapper):
+                return wrapper.run(x[0], x[1], out=out)
+
+            res = call(sets[0])
+            err = max((res[i].float() - refs[i]).abs().max().item() for i in checked)
+            if not err < 3e-2:
+                raise RuntimeError("output differs from SDPA on requests %s: max abs error %.3g" % (checked, err))
+            t = time_cuda(call, sets, args.time_per_peer)
+            values[label] = case_work("decode", p) / t / 1e12
+            notes["flashinfer_" + label] = values[label]
+            parts.append("use_tensor_cores=%s %.3f TB/s (backend %s, plan %.1f s%s, max abs err vs SDPA %.2g)" % (
+                tensor_cores, values[label], getattr(wrapper, "_backend", "?"), plan_s,
+                " module load or JIT" if first else "", err))
+        except Exception as e:  # one kernel failing leaves the other's figure
+            notes["flashinfer_%s_error" % label] = error_text(e)
+            torch.cuda.synchronize()
+    if not values:
+        raise RuntimeError("neither decode kernel ran (see flashinfer_cuda_cores_error, flashinfer_tensor_cores_error)")
+    best = max(values, key=values.get)
+    return values[best], (
+        "flashinfer %s BatchDecodeWithPagedKVCacheWrapper %s, page_size %d, tessera's page table (CSR in request "
+        "order, page ids shuffled as bench_main.cpp's decode); plan once, run() timed; the faster of: %s" % (
+            getattr(fi, "__version__", "?"), layout, ps, "; ".join(parts)))
+
+
+DECODE_CACHE = {}  # page_size / layout variants share the contiguous-K/V peers' figures
 
 
 def run_decode(p, args):
-    from torch.nn.attention import SDPBackend
     key = json.dumps({k: v for k, v in p.items() if k not in ("page_size", "layout")}, sort_keys=True)
     if key in DECODE_CACHE:
         peers, notes = DECODE_CACHE[key]
-        return dict(peers), dict(notes, shared="peers measured once for every page_size / layout"), {}
+        peers, notes = dict(peers), dict(notes, shared="cudnn / torch_flash measured once for every page_size / layout")
+    else:
+        peers, notes = run_decode_contiguous(p, args)
+        DECODE_CACHE[key] = (dict(peers), dict(notes))
+    # flashinfer reads the case's own pages: measured for every case
+    fi, why_not = flashinfer_module(args)
+    if fi is None:
+        peers["flashinfer"] = None
+        notes["flashinfer_error"] = why_not
+    else:
+        measure("flashinfer", lambda: peer_flashinfer_decode(fi, p, decode_lengths(p), args, notes), peers, notes)
+    return peers, notes, {}
+
+
+def run_decode_contiguous(p, args):
+    """The SDPA peers of a decode case, on contiguous K/V. Returns (peers, notes)."""
+    from torch.nn.attention import SDPBackend
     lengths = decode_lengths(p)
     b, hq, hkv, d = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
     dtype = TORCH_DTYPE[p.get("dtype", "bf16")]
     n = num_sets(set_bytes("decode", p))
     peers = {}
-    notes = {"kv": "peers read contiguous K/V (not paged; page_size and layout do not apply)",
+    notes = {"kv": "cudnn, torch_flash read contiguous K/V (page_size and layout do not apply); flashinfer "
+                   "reads tessera's page table",
              "kv_tokens": sum(lengths)}
     if p.get("lengths", "uniform") == "uniform":
         kv = p["kv_len"]
@@ -716,7 +891,191 @@ def run_decode(p, args):
 
         measure("cudnn", cudnn_loop, peers, notes)
         measure("torch_flash", flash_varlen, peers, notes)
-    DECODE_CACHE[key] = (dict(peers), dict(notes))
+    return peers, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked prefill (prefill_plan): request r's qo_r queries are the last positions of its kv_r keys;
+# packed q [sum(qo), Hq, d], K/V [sum(kv), Hkv, d], bf16; causal is bottom-right aligned
+# ----------------------------------------------------------------------------------------------
+
+def prefix_sums(values):
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def plan_error(out, x, qo, kv, p):
+    """Max abs error of `out` (packed [sum(qo), Hq, d]) against fp32 SDPA on the first, middle and
+    last query rows of the first and the last request, each over the keys it sees (bottom-right
+    causal: row i of request r sees its first kv_r - qo_r + i + 1 keys)."""
+    q, k, v = x
+    hq, hkv, d = p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    causal = p.get("causal", True)
+    cu_q, cu_k = prefix_sums(qo), prefix_sums(kv)
+    err = 0.0
+    for r in sorted({0, len(qo) - 1}):
+        for i in sorted({0, qo[r] // 2, qo[r] - 1}):
+            keys = slice(cu_k[r], cu_k[r] + (kv[r] - qo[r] + i + 1 if causal else kv[r]))
+            ref = F.scaled_dot_product_attention(  # GQA as query heads folded into q_len
+                q[cu_q[r] + i].view(1, hkv, hq // hkv, d).float(), k[keys].transpose(0, 1).unsqueeze(0).float(),
+                v[keys].transpose(0, 1).unsqueeze(0).float()).reshape(hq, d)
+            err = max(err, (out[cu_q[r] + i].float() - ref).abs().max().item())
+    return err
+
+
+def check_plan(out, x, qo, kv, p, what):
+    err = plan_error(out, x, qo, kv, p)
+    if not err < 3e-2:
+        raise RuntimeError("%s differs from bottom-right causal attention (fp32 SDPA on the visible keys): max "
+                           "abs error %.3g" % (what, err))
+    return err
+
+
+def bottom_right_bias(qo, kv, dtype):
+    """Additive mask [qo, kv] (q's dtype) of a chunked prefill's causal attention: 0 where query
+    row i sees key j (j <= kv - qo + i), -inf elsewhere."""
+    visible = torch.ones(qo, kv, dtype=torch.bool, device="cuda").tril(kv - qo)
+    return torch.zeros(qo, kv, device="cuda", dtype=dtype).masked_fill(~visible, float("-inf"))
+
+
+def peer_cudnn_plan(sets, qo, kv, p, budget_s):
+    """cuDNN through SDPA with the bottom-right causal mask given as a precomputed additive bf16
+    attn_mask [qo, kv] (broadcast over batch and heads): one call on [b, H, qo, d] / [b, H, kv, d]
+    copies when every request has the same lengths, else one call per request (its own mask) timed
+    as a whole. SDPA's is_causal cannot express the mask: it is top-left aligned, and cuDNN
+    through SDPA applies it so on the H200 (max abs error ~3.7 against the bottom-right
+    reference); torch.nn.attention.bias.causal_lower_right reaches cuDNN only through a mask
+    materialised on every call. cuDNN reads the mask (qo * kv * 2 bytes per request shape) and
+    runs the masked tiles too, which the FLOPs (visible pairs only) do not count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, hq, hkv, d = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    gqa = hq != hkv
+    causal = p.get("causal", True)
+    cu_q, cu_k = prefix_sums(qo), prefix_sums(kv)
+    masks = {}
+    for shape in set(zip(qo, kv)):
+        masks[shape] = bottom_right_bias(*shape, sets[0][0].dtype) if causal else None
+    uniform = len(masks) == 1
+    if uniform:
+        mask = masks[(qo[0], kv[0])]
+        cudnn_sets = [tuple(t.view(b, -1, t.shape[1], d).transpose(1, 2).contiguous() for t in x) for x in sets]
+
+        def call(x):
+            return F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=mask, enable_gqa=gqa)
+
+        def packed(o):
+            return o.transpose(1, 2).reshape(-1, hq, d)
+        how = "one SDPA call, q [b, Hq, qo, d], K/V [b, Hkv, kv, d]"
+    else:
+        cudnn_sets = [[tuple(t[c[r]:c[r + 1]].transpose(0, 1).unsqueeze(0).contiguous() for t, c in
+                             zip(x, (cu_q, cu_k, cu_k))) + (masks[(qo[r], kv[r])],) for r in range(b)] for x in sets]
+
+        def call(reqs):
+            return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa) for q, k, v, m in reqs]
+
+        def packed(outs):
+            return torch.cat([o[0].transpose(0, 1) for o in outs])
+        how = "one SDPA call per request (%d calls) timed as a whole" % b
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        first = packed(call(cudnn_sets[0]))
+    err = check_plan(first, sets[0], qo, kv, p, "cuDNN SDPA")  # its fp32 reference is not a cuDNN call
+    del first
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t = time_cuda(call, cudnn_sets, budget_s, batch=20 if uniform else 1)
+    return case_work("prefill_plan", p) / t / 1e12, "%s, %s; max abs err %.2g" % (
+        how, "additive bf16 bottom-right mask [qo, kv]" if causal else "no mask", err)
+
+
+def peer_flash_varlen_plan(sets, qo, kv, p, budget_s):
+    """FlashAttention-2's varlen forward (aten._flash_attention_forward, cu_seqlens_q / _k over the
+    real lengths): its causal mask is bottom-right aligned when seqlen_q < seqlen_k, the chunked
+    prefill's mask; one launch over the packed batch, GQA native."""
+    cu_q = torch.tensor(prefix_sums(qo), device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor(prefix_sums(kv), device="cuda", dtype=torch.int32)
+    causal = p.get("causal", True)
+    op = torch.ops.aten._flash_attention_forward
+
+    def call(x):
+        return op(x[0], x[1], x[2], cu_q, cu_k, max(qo), max(kv), 0.0, causal, False)[0]
+
+    err = check_plan(call(sets[0]), sets[0], qo, kv, p, "varlen flash")
+    t = time_cuda(call, sets, budget_s)
+    return case_work("prefill_plan", p) / t / 1e12, (
+        "aten._flash_attention_forward varlen, is_causal=%s (bottom-right); max abs err %.2g" % (causal, err))
+
+
+def peer_flashinfer_plan(fi, sets, qo, kv, p, args):
+    """FlashInfer's paged prefill, BatchPrefillWithPagedKVCacheWrapper(workspace, LAYOUT,
+    backend=B).plan(qo_indptr, ..., causal) once, run(out=) timed, over the peers' K/V rows
+    written into pages with tessera's page table for this suite (shuffled_page_table, seed 7:
+    page size, layout, page ids and order of bench_main.cpp's prefill_plan)."""
+    hq, hkv, d, ps = p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]
+    layout = p.get("layout", "NHD")
+    causal = p.get("causal", True)
+    indptr, ids, last = shuffled_page_table(kv, ps, 7)
+    key = (d, "plan")
+    if key in FLASHINFER["failed"]:
+        raise RuntimeError("skipped: its first plan at head_dim %d failed: %s" % (d, FLASHINFER["failed"][key]))
+    ids_t = torch.tensor(ids, device="cuda", dtype=torch.long)
+    # token t of request r lives in page ids[indptr[r] + t // P], row t % P
+    token = [torch.arange(n, device="cuda") for n in kv]
+    slots = torch.cat([ids_t[indptr[r] + t // ps] * ps + t % ps for r, t in enumerate(token)])
+
+    def paged(rows):
+        pages = torch.zeros(indptr[-1] * ps, hkv, d, device="cuda", dtype=rows.dtype)
+        pages[slots] = rows
+        pages = pages.view(indptr[-1], ps, hkv, d)
+        return pages.transpose(1, 2).contiguous() if layout == "HND" else pages
+
+    fi_sets = [(q, (paged(k), paged(v))) for q, k, v in sets]
+    out = torch.empty_like(sets[0][0])
+    dev = [torch.tensor(x, device="cuda", dtype=torch.int32) for x in (prefix_sums(qo), indptr, ids, last)]
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(FLASHINFER["workspace"], layout, backend=args.flashinfer_backend)
+    first = key not in FLASHINFER["planned"]
+    t0 = time.perf_counter()
+    try:
+        wrapper.plan(dev[0], dev[1], dev[2], dev[3], hq, hkv, d, ps, causal=causal,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        torch.cuda.synchronize()
+    except Exception as e:
+        if first:
+            FLASHINFER["failed"][key] = error_text(e)[:200]
+        raise
+    plan_s = time.perf_counter() - t0
+    if first:
+        FLASHINFER["planned"].add(key)
+        FLASHINFER["first_plan_s"]["hd%d_paged_plan" % d] = round(plan_s, 1)
+
+    def call(x):
+        return wrapper.run(x[0], x[1], out=out)
+
+    err = check_plan(call(fi_sets[0]), sets[0], qo, kv, p, "flashinfer")
+    t = time_cuda(call, fi_sets, args.time_per_peer)
+    return case_work("prefill_plan", p) / t / 1e12, (
+        "flashinfer %s BatchPrefillWithPagedKVCacheWrapper %s, page_size %d, tessera's page table (seed 7), causal=%s; "
+        "backend %s (asked %s); plan once, run() timed; plan %.1f s%s; max abs err %.2g" % (
+            getattr(fi, "__version__", "?"), layout, ps, causal, getattr(wrapper, "_backend", "?"),
+            args.flashinfer_backend, plan_s, " (module load or JIT)" if first else "", err))
+
+
+def run_prefill_plan(p, args):
+    qo, kv = plan_lengths(p)
+    hq, hkv, d = p["num_qo_heads"], p["num_kv_heads"], p["head_dim"]
+    n = num_sets(set_bytes("prefill_plan", p))
+    sets = [(randn(sum(qo), hq, d), randn(sum(kv), hkv, d), randn(sum(kv), hkv, d)) for _ in range(n)]
+    peers = {}
+    notes = {"q_tokens": sum(qo), "kv_tokens": sum(kv),
+             "kv": "cudnn, torch_flash read contiguous K/V; flashinfer reads tessera's page table"}
+    measure("cudnn", lambda: peer_cudnn_plan(sets, qo, kv, p, args.time_per_peer), peers, notes)
+    measure("torch_flash", lambda: peer_flash_varlen_plan(sets, qo, kv, p, args.time_per_peer), peers, notes)
+    fi, why_not = flashinfer_module(args)
+    if fi is None:
+        peers["flashinfer"] = None
+        notes["flashinfer_error"] = why_not
+    else:
+        measure("flashinfer", lambda: peer_flashinfer_plan(fi, sets, qo, kv, p, args), peers, notes)
     return peers, notes, {}
 
 
@@ -1028,8 +1387,9 @@ def measure_tessera_python(suite, p, budget_s, notes, peers):
         torch.cuda.empty_cache()
 
 
-RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "prefill_paged": run_prefill, "decode": run_decode,
-           "moe_gemm": run_moe_gemm, "append": run_append, "merge": run_merge}
+RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "prefill_paged": run_prefill,
+           "prefill_plan": run_prefill_plan, "decode": run_decode, "moe_gemm": run_moe_gemm, "append": run_append,
+           "merge": run_merge}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1229,9 +1589,10 @@ def parse_args(argv=None):
     ap.add_argument("--flex-budget", type=float, default=75.0,
                     help="seconds of flex_attention compilation after which flex is skipped (default 75)")
     ap.add_argument("--no-flex", action="store_true", help="skip the flex peer")
-    ap.add_argument("--no-flashinfer", action="store_true", help="skip the flashinfer peer (prefill suites)")
+    ap.add_argument("--no-flashinfer", action="store_true", help="skip the flashinfer peer (prefill suites, decode)")
     ap.add_argument("--flashinfer-backend", default="auto", choices=["auto", "fa2", "fa3"],
-                    help="FlashInfer prefill backend (default auto: fa3, its FlashAttention-3 template, on sm_90)")
+                    help="FlashInfer prefill backend of the prefill suites (default auto: fa3, its FlashAttention-3 "
+                         "template, on sm_90); the decode peer times its own two kernels")
     ap.add_argument("--tessera-python", action="store_true",
                     help="also time tessera through its Python package (import tessera) in this process")
     args = ap.parse_args(argv)

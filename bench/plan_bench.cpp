@@ -1,5 +1,6 @@
-// CPU cost of DecodePlanner::plan for a serving step (the target: < 20 us for 256
-// requests). Prints one JSON object per case. No GPU needed: the planner is pure C++.
+// CPU cost of DecodePlanner::plan for a serving step (targets: < 20 us for 256 requests, < 50 us
+// for 1024). Prints one JSON object per case. No GPU needed: the planner is pure C++. The capacity
+// is the H200's at hd128 (132 SMs, two CTAs per SM, the one-CTA-per-SM shape available).
 //   tessera_plan_bench [iterations]
 #include <algorithm>
 #include <chrono>
@@ -32,16 +33,18 @@ PageTable make(const std::vector<int64_t>& kv_len, int32_t page) {
   return t;
 }
 
-void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int iterations) {
+void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int iterations,
+         int32_t kv_heads = 8) {
   const PageTable t = make(kv_len, page);
   plan::PlanCapacity cap;
-  cap.max_batch_size = 256;
+  cap.max_batch_size = 1024;
   cap.max_qo_len = 1;
-  cap.num_qo_heads = 32;
-  cap.num_kv_heads = 8;
+  cap.num_qo_heads = 8 * kv_heads;
+  cap.num_kv_heads = kv_heads;
   cap.head_dim = 128;
   cap.num_sms = 132;
-  cap.ctas_per_sm = 4;
+  cap.ctas_per_sm = 2;
+  cap.one_cta_per_sm_shape = true;
   plan::DecodePlanner planner(cap);
   const auto bsr = format::bsr_from_page_table(page, static_cast<int32_t>(kv_len.size()),
                                                t.indptr.data(), t.indices.data(), t.last.data());
@@ -65,8 +68,9 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
   std::nth_element(with_image.begin(), with_image.begin() + iterations / 2, with_image.end());
   std::printf("{\"suite\": \"plan\", \"case\": \"%s\", \"metric\": \"us\", \"tessera\": %.3f, "
               "\"with_image_us\": %.3f, \"image_bytes\": %zu, \"work_items\": %zu, \"tasks\": %zu, "
-              "\"requests\": %zu}\n",
-              name, us[iterations / 2], with_image[iterations / 2], image.size(), items, tasks, kv_len.size());
+              "\"requests\": %zu, \"kv_heads\": %d, \"chunk_tokens\": %d, \"estimated_us\": %.1f}\n",
+              name, us[iterations / 2], with_image[iterations / 2], image.size(), items, tasks, kv_len.size(),
+              kv_heads, planner.plan(bsr, t.qo.data()).chunk_tokens, planner.plan(bsr, t.qo.data()).estimated_us);
 }
 
 }  // namespace
@@ -84,5 +88,24 @@ int main(int argc, char** argv) {
   run("b256_kv2048_p16", std::vector<int64_t>(256, 2048), 16, iterations);
   run("b256_kv2048_p1", std::vector<int64_t>(256, 2048), 1, iterations);
   run("b1_kv32768_p16", {32768}, 16, iterations);
+  // Skewed batches of the decode suite's kind: a heavy tail, and one long request among many
+  // short ones with one KV head (a tensor-parallel slice).
+  std::vector<int64_t> tail;
+  for (int i = 0; i < 28; ++i) tail.push_back(std::uniform_int_distribution<int64_t>(40, 900)(rng));
+  tail.insert(tail.end(), {32768, 20000, 12000, 10000});
+  std::shuffle(tail.begin(), tail.end(), rng);
+  run("b32_heavy_tail_p16", tail, 16, iterations);
+  std::vector<int64_t> one_long;
+  for (int i = 0; i < 63; ++i) one_long.push_back(std::uniform_int_distribution<int64_t>(16, 2048)(rng));
+  one_long.push_back(32768);
+  run("b64_one_long_h1_p16", one_long, 16, iterations, 1);
+  std::vector<int64_t> zipf1024(1024);
+  for (size_t i = 0; i < zipf1024.size(); ++i) {
+    zipf1024[i] = std::max<int64_t>(1, static_cast<int64_t>(65536.0 / std::pow(double(i + 1), 1.1)));
+  }
+  std::shuffle(zipf1024.begin(), zipf1024.end(), rng);
+  run("b1024_zipf_p16", zipf1024, 16, iterations);
+  run("b1024_zipf_h1_p16", zipf1024, 16, iterations, 1);
+  run("b1024_kv2048_p16", std::vector<int64_t>(1024, 2048), 16, iterations);
   return 0;
 }

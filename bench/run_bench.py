@@ -18,7 +18,17 @@ import sys
 
 # Suites with a tessera benchmark, and the ceilings their records are compared with.
 TESSERA_SUITES = {"append": ["copy", "read"], "merge": ["copy", "read"], "decode": ["copy", "read", "launch_us"],
-                  "prefill_portable": [], "prefill": [], "prefill_paged": [], "memory": []}
+                  "prefill_portable": [], "prefill": [], "prefill_paged": [], "prefill_plan": [], "memory": []}
+
+
+def case_arg(key, value):
+    """One case field as tessera_bench's key=value: booleans lower-case, lists comma-separated
+    (kv_lens=32768,16,300)."""
+    if isinstance(value, bool):
+        value = str(value).lower()
+    elif isinstance(value, list):
+        value = ",".join(str(v) for v in value)
+    return f"{key}={value}"
 
 
 def last_json_line(text):
@@ -74,7 +84,7 @@ def main():
             continue
         for case in spec["cases"]:
             params = {k: v for k, v in case.items()}
-            kv = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items()]
+            kv = [case_arg(k, v) for k, v in params.items()]
             record = {"suite": suite, "case": case["name"], "metric": spec["metric"],
                       "tessera": None, "peers": {}, "params": params,
                       "ceiling": {k: ceiling[k] for k in TESSERA_SUITES[suite]}}

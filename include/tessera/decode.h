@@ -81,7 +81,12 @@ struct DecodeConfig {
 struct DecodePlanInfo {
   int num_work_items = 0;   // CTAs' worth of work
   int num_split_requests = 0;  // (request, KV head) pairs split into chunks
-  int chunk_tokens = 0;     // chunk length of split requests; 0 when nothing was split
+  int num_merge_rows = 0;   // merges of chunk partials (more than the split pairs where a pair's
+                            // many chunks merge in two levels)
+  int chunk_tokens = 0;     // chunk target of split requests (each chunk at most this long); 0
+                            // when nothing was split
+  double estimated_us = 0;  // the planner's cost model of the step's decode time (0 when it had
+                            // nothing to decide: no request longer than the average load)
   int grid_ctas = 0;        // CTAs the decode kernel launches
   int ctas_per_sm = 0;      // the CTA shape the plan was balanced for: 2 the default shape, 1 the
                             // one-CTA-per-SM shape (a shape id: the default fits once per SM on an A100)

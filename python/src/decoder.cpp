@@ -371,7 +371,9 @@ void bind_decoder(nb::module_& m) {
   nb::class_<DecodePlanInfo>(m, "DecodePlanInfo", "What the last plan() decided (tessera::DecodePlanInfo).")
       .def_ro("num_work_items", &DecodePlanInfo::num_work_items)
       .def_ro("num_split_requests", &DecodePlanInfo::num_split_requests)
+      .def_ro("num_merge_rows", &DecodePlanInfo::num_merge_rows)
       .def_ro("chunk_tokens", &DecodePlanInfo::chunk_tokens)
+      .def_ro("estimated_us", &DecodePlanInfo::estimated_us)
       .def_ro("grid_ctas", &DecodePlanInfo::grid_ctas)
       .def_ro("ctas_per_sm", &DecodePlanInfo::ctas_per_sm);
 

@@ -115,14 +115,7 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   return cap;
 }
 
-#ifndef TESSERA_DECODE_SPLIT_WAVES
-#define TESSERA_DECODE_SPLIT_WAVES 1
-#endif
-plan::SplitPolicy split_policy() {
-  plan::SplitPolicy policy;
-  policy.waves = TESSERA_DECODE_SPLIT_WAVES;
-  return policy;
-}
+plan::SplitPolicy split_policy() { return plan::SplitPolicy{}; }
 
 }  // namespace
 
@@ -253,7 +246,9 @@ void BatchDecoder::plan(const int32_t* host_qo_indptr, const PageTable& table, c
   im.total_pages = total_pages;
   im.checked_num_pages = num_pages;
   im.info.num_work_items = plan.num_tasks;
-  im.info.num_split_requests = static_cast<int>(plan.merges.size());
+  im.info.num_split_requests = plan.split_rows;
+  im.info.num_merge_rows = static_cast<int>(plan.merges.size());
+  im.info.estimated_us = plan.estimated_us;
   im.info.chunk_tokens = plan.chunk_tokens;
   im.info.grid_ctas = plan.num_tasks;
   im.info.ctas_per_sm = plan.shape == plan::CtaShape::kOneCtaPerSm ? 1 : 2;

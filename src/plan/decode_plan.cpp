@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <functional>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -15,8 +17,8 @@ namespace {
   throw Error(std::string("tessera::DecodePlanner: argument '") + arg + "': " + rule);
 }
 
-// The one-CTA-per-SM plan may have a longest task up to 1/16 longer than ctas_per_sm x the default
-// plan's and still be taken: it writes fewer partials and merges (b16 x 8K unsplit: +2%).
+// The one-CTA-per-SM plan may have a makespan up to 1/16 longer than the default plan's and still
+// be taken: it writes fewer partials and merges (b16 x 8K unsplit: +2%).
 constexpr double kOneCtaPerSmMargin = 17.0 / 16.0;
 
 }  // namespace
@@ -34,25 +36,34 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   if (cap_.head_dim < 8 || cap_.head_dim % 8 != 0) {
     fail("head_dim", "must be a positive multiple of 8, got " + std::to_string(cap_.head_dim));
   }
-  if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1 || policy_.waves < 1) {
-    fail("policy", "waves, min_chunk_tokens and granularity must be >= 1");
+  if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1 || policy_.max_chunks_per_slot < 1) {
+    fail("policy", "min_chunk_tokens, granularity and max_chunks_per_slot must be >= 1");
+  }
+  const CostModel& c = policy_.cost;
+  if (!(c.sm_read_bytes_per_us > 0) || !(c.merge_bytes_per_us > 0) || !(c.task_start_us >= 0) ||
+      !(c.merge_start_us >= 0)) {
+    fail("policy", "the cost model's rates must be > 0 and its start-up times >= 0");
   }
   if (cap_.one_cta_per_sm_shape && cap_.ctas_per_sm < 2) {
     fail("one_cta_per_sm_shape", "needs a default shape of at least 2 CTAs per SM (ctas_per_sm " +
                                      std::to_string(cap_.ctas_per_sm) + ")");
   }
   group_ = cap_.num_qo_heads / cap_.num_kv_heads;
-  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
-  // Fitting one wave, a split list has at most `wave` items. Overfilled, chunks are at least the
-  // average load per CTA slot (total / wave per head), so splitting adds at most wave / heads
-  // chunks per head: at most batch x heads + wave items, and the split requests' chunks (each
-  // longer than a chunk, so fewer than wave / heads of them per head) at most 2 x wave slots.
+  // Bounds. Split rows hold at most max_chunks_per_slot x wave chunk partials (the ladder skips
+  // chunk targets that would exceed it), each split (request, KV head) at least 2 of them. A
+  // two-level merge of n chunks has about sqrt(n) <= n / 2 groups (n >= 4), so the group
+  // partials add at most half the chunk partials, and the merge rows (one per split pair and one
+  // per group) are at most as many as the chunk partials. Splitting adds at most as many tasks as
+  // there are chunk partials.
+  const int64_t wave = int64_t(cap_.num_sms) * cap_.ctas_per_sm;
+  const int64_t chunk_slots = wave * policy_.max_chunks_per_slot;
   const int64_t unsplit_items = int64_t(cap_.max_batch_size) * cap_.num_kv_heads;
-  if (unsplit_items + 2 * int64_t(wave) > INT32_MAX) {
+  if (unsplit_items + 2 * chunk_slots > INT32_MAX) {
     fail("max_batch_size", "max_batch_size x num_kv_heads exceeds 2^31 - 1");
   }
-  max_work_ = static_cast<int32_t>(unsplit_items + wave);
-  max_slots_ = 2 * wave;
+  max_work_ = static_cast<int32_t>(unsplit_items + chunk_slots);
+  max_slots_ = static_cast<int32_t>(chunk_slots + chunk_slots / 2);
+  max_merges_ = static_cast<int32_t>(chunk_slots);
   auto aligned = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
   std::size_t at = 0;
   auto place = [&](std::size_t bytes) {
@@ -63,22 +74,30 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   const std::size_t rows = static_cast<std::size_t>(int64_t(max_slots_) * cap_.max_qo_len * group_);
   layout_.header = place(sizeof(PlanHeader));
   layout_.work = place(std::size_t(max_work_) * sizeof(WorkItem));
-  layout_.merges = place(std::size_t(max_slots_) * sizeof(MergeRow));
+  layout_.merges = place(std::size_t(max_merges_) * sizeof(MergeRow));
   layout_.slot_rows = place(std::size_t(max_slots_ + 1) * sizeof(int64_t));
-  layout_.merge_counters = place(std::size_t(max_slots_) * sizeof(int32_t));
+  layout_.merge_counters = place(std::size_t(max_merges_) * sizeof(int32_t));
   layout_.plan_bytes = at;
   layout_.partial_o = place(rows * std::size_t(cap_.head_dim) * sizeof(float));
   layout_.partial_lse = place(rows * sizeof(float));
   layout_.total = at;
 
   work_storage_.resize(max_work_);
-  plan_.merges.reserve(max_slots_);
+  plan_.merges.reserve(max_merges_);
   plan_.requests.reserve(cap_.max_batch_size);
   plan_.slot_row_offset.reserve(max_slots_ + 1);
   keys_.reserve(cap_.max_batch_size);
+  emit_keys_.reserve(cap_.max_batch_size);
+  split_keys_.resize(cap_.max_batch_size);
   has_query_.reserve(cap_.max_batch_size);
   kv_len_.reserve(cap_.max_batch_size);
   first_key_.reserve(cap_.max_batch_size);
+  rows_.reserve(cap_.max_batch_size);
+  sorted_len_.reserve(cap_.max_batch_size);
+  sorted_rows_.reserve(cap_.max_batch_size);
+  prefix_len_.reserve(cap_.max_batch_size + 1);
+  loads_.reserve(wave);
+  pending_merges_.reserve(wave);
 }
 
 int64_t DecodePlanner::max_partial_rows() const {
@@ -100,38 +119,218 @@ void DecodePlanner::write_image(void* image) const {
   std::memset(base + layout_.merge_counters, 0, plan_.merges.size() * sizeof(int32_t));
 }
 
-int64_t DecodePlanner::items_for_chunk(int64_t chunk) const {
-  int64_t items = 0;
-  for (size_t r = 0; r < kv_len_.size(); ++r) {
-    if (!has_query_[r]) continue;
-    const int64_t len = kv_len_[r];
-    items += len <= chunk ? 1 : (len + chunk - 1) / chunk;
-  }
-  return items * cap_.num_kv_heads;
+int64_t DecodePlanner::chunk_length(int64_t len, int64_t chunk) const {
+  if (len <= chunk) return len;
+  const int64_t n = (len + chunk - 1) / chunk;
+  return std::min(chunk, ((len + n - 1) / n + granule_ - 1) / granule_ * granule_);
 }
 
-int64_t DecodePlanner::chunk_for_wave(int32_t wave, int64_t gran, int64_t longest) const {
-  // The smallest multiple of the granularity, at least min_chunk_tokens, whose work list fits one
-  // wave. items_for_chunk() never grows with the chunk, so binary search over granules. When even
-  // the unsplit list overfills the wave, see below.
-  const int64_t hi_granules = std::max<int64_t>(1, (longest + gran - 1) / gran);
-  int64_t lo = std::min(hi_granules, (int64_t(policy_.min_chunk_tokens) + gran - 1) / gran);
-  int64_t hi = hi_granules;
-  if (items_for_chunk(hi * gran) <= wave) {
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (items_for_chunk(mid * gran) <= wave) hi = mid; else lo = mid + 1;
-    }
-  } else {
-    // Overfilled: the CTAs take items as SMs free up, so the makespan is about the average load
-    // per CTA slot plus the longest item. Requests longer than that average (a skewed batch's
-    // few long ones) are split to it; everything else stays whole.
-    int64_t total = 0;
-    for (int64_t len : kv_len_) total += len;
-    const int64_t average = (total * cap_.num_kv_heads + wave - 1) / wave;
-    hi = std::min(hi_granules, std::max(lo, (average + gran - 1) / gran));
+DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk) const {
+  // Only the requests longer than the chunk (a prefix of the longest-first order) are split, into
+  // ceil(len / chunk) chunks, which bounds the balanced count (chunk_length() can make one fewer)
+  // at one 32-bit division per request (lengths and chunks are below 2^31).
+  SplitCount count{num_with_query_, 0};
+  const uint32_t c = static_cast<uint32_t>(chunk);
+  for (size_t i = 0; i < sorted_len_.size() && sorted_len_[i] > chunk; ++i) {
+    const int64_t n = (static_cast<uint32_t>(sorted_len_[i]) + c - 1) / c;
+    count.items += n - 1;
+    count.chunk_slots += n;
   }
-  return hi * gran;
+  count.items *= cap_.num_kv_heads;
+  count.chunk_slots *= cap_.num_kv_heads;
+  return count;
+}
+
+double DecodePlanner::task_us(int64_t tokens, const Wave& wave) const {
+  // K and V rows of one KV head, 2-byte elements.
+  return policy_.cost.task_start_us + double(tokens) * (4.0 * cap_.head_dim) / wave.slot_bytes_per_us;
+}
+
+double DecodePlanner::merge_us(int64_t slots, int64_t rows, int32_t* groups) const {
+  const CostModel& c = policy_.cost;
+  const double row_us = (4.0 * cap_.head_dim + 4.0) / c.merge_bytes_per_us;  // fp32 O row + LSE
+  const double fold = double(slots * rows) * row_us;
+  const double flat = c.merge_start_us + fold;
+  *groups = 1;
+  // A tree pays a second start-up: it can only win where the fold costs more than that.
+  if (!policy_.merge_tree || slots < 4 || fold <= c.merge_start_us) return flat;
+  // Groups of about sqrt(slots) chunks merge in parallel, then one CTA merges the groups.
+  const int32_t g = std::max(2, static_cast<int32_t>(std::sqrt(double(slots)) + 0.5));
+  const int64_t largest_group = (slots + g - 1) / g;
+  const double tree = 2 * c.merge_start_us + double((largest_group + g) * rows) * row_us;
+  if (tree >= flat) return flat;
+  *groups = g;
+  return tree;
+}
+
+double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
+  // Items (a request's chunk for every KV head) on `machines` groups of num_kv_heads slots: the
+  // heads of one item start together, so with slots a multiple of the heads, list scheduling of
+  // tasks is list scheduling of items on slots / heads machines.
+  const int32_t heads = cap_.num_kv_heads;
+  const int32_t machines = std::max(1, wave.ctas / heads);
+  const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;  // more heads than slots
+  const double per_token = (task_us(1, wave) - policy_.cost.task_start_us) * rounds;
+  const double start = policy_.cost.task_start_us * rounds;
+  const double small = (start + double(chunk) * per_token) / 4;  // cheaper items fill in as a fluid
+  // Wide waves (few KV heads: up to 264 machines on an H200) are estimated with machines in
+  // lockstep groups of `lockstep`, each group taking `lockstep` consecutive items at once at the
+  // cost of the longest: exact for runs of equal chunks, and it keeps the estimate to at most
+  // ~64 machines and a fraction of the items.
+  const int32_t lockstep = std::max(1, machines / 64);
+  const int32_t groups = machines / lockstep;
+  // List scheduling onto the least loaded group. The first `groups` batches go to empty groups,
+  // filled from the back of the array: batches arriving longest first leave it sorted ascending,
+  // which is a valid min-heap, so only later ones pay a sift (of a 4-ary heap); a batch longer
+  // than the one before it breaks the order, and the heap is then built once.
+  loads_.assign(groups, 0.0);
+  double* const h = loads_.data();
+  int32_t empty = groups;  // groups [0, empty) are still empty
+  bool sorted = true;
+  auto sift_down = [&](int32_t i, double v) {  // puts v at i or below, restoring the heap order
+    for (;;) {
+      const int32_t first = 4 * i + 1;
+      if (first >= groups) break;
+      int32_t c = first;
+      const int32_t last = std::min(first + 4, groups);
+      for (int32_t k = first + 1; k < last; ++k) c = h[k] < h[c] ? k : c;
+      if (!(h[c] < v)) break;
+      h[i] = h[c];
+      i = c;
+    }
+    h[i] = v;
+  };
+  auto place = [&](double cost) {
+    if (empty > 0) {
+      --empty;
+      if (empty + 1 < groups && cost > h[empty + 1]) sorted = false;
+      h[empty] = cost;
+      if (empty == 0 && !sorted) {
+        for (int32_t i = (groups - 2) / 4; i >= 0; --i) sift_down(i, h[i]);
+      }
+      return cost;
+    }
+    const double v = h[0] + cost;
+    sift_down(0, v);
+    return v;
+  };
+  // The batch being gathered for one group, and the merges of split requests whose last chunk is
+  // in it (they start when it ends).
+  int32_t batch_items = 0;
+  double batch_cost = 0, last_end = 0, merges_end = 0;
+  pending_merges_.clear();
+  auto flush = [&] {
+    if (batch_items == 0) return;
+    last_end = place(batch_cost);
+    for (double m : pending_merges_) merges_end = std::max(merges_end, last_end + m);
+    pending_merges_.clear();
+    batch_items = 0;
+    batch_cost = 0;
+  };
+  auto add = [&](int64_t count, double cost) {  // `count` items of `cost`
+    while (count > 0) {
+      const int64_t take = std::min<int64_t>(count, lockstep - batch_items);
+      batch_items += static_cast<int32_t>(take);
+      batch_cost = std::max(batch_cost, cost);
+      count -= take;
+      if (batch_items == lockstep) flush();
+    }
+  };
+  const size_t n_requests = sorted_len_.size();
+  size_t i = 0;
+  for (; i < n_requests && sorted_len_[i] > chunk; ++i) {  // the split requests, longest first
+    const int64_t len = sorted_len_[i];
+    const int64_t piece = chunk_length(len, chunk);
+    const int64_t n = (len + piece - 1) / piece;
+    add(n, start + double(piece) * per_token);
+    int32_t merge_groups;
+    const double merge = merge_us(n, sorted_rows_[i], &merge_groups);
+    if (batch_items == 0) merges_end = std::max(merges_end, last_end + merge);  // its batch ended
+    else pending_merges_.push_back(merge);
+  }
+  for (; i < n_requests && start + double(sorted_len_[i]) * per_token >= small; ++i) {
+    add(1, start + double(sorted_len_[i]) * per_token);
+  }
+  flush();
+  // The rest, from the prefix sums: they fill the least loaded machines up to a common level,
+  // which only matters where it rises above the most loaded group.
+  const double fluid = (double(n_requests - i) * start + double(len_total_ - prefix_len_[i]) * per_token) / lockstep;
+  double most = 0, sum = 0;
+  for (int32_t k = 0; k < groups; ++k) {
+    most = std::max(most, h[k]);
+    sum += h[k];
+  }
+  const double room = most * groups - sum;
+  const double level = fluid <= room ? most : most + (fluid - room) / groups;
+  return std::max(level, merges_end);
+}
+
+DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t longest) const {
+  const int64_t lo = std::min(longest, (int64_t(policy_.min_chunk_tokens) + granule_ - 1) / granule_ * granule_);
+  const int32_t heads = cap_.num_kv_heads;
+  const int32_t machines = std::max(1, wave.ctas / heads);
+  const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;
+  const double total = (double(num_with_query_) * policy_.cost.task_start_us +
+                        double(len_total_) * (task_us(1, wave) - policy_.cost.task_start_us)) * rounds;
+  const double average = total / machines;
+  // Nothing to gain: the longest request is within the minimum chunk or the average load.
+  if (longest <= lo || task_us(longest, wave) * rounds <= average) return {longest, 0.0};
+
+  auto round_up = [&](double tokens) {
+    const int64_t t = static_cast<int64_t>(std::ceil(std::max(1.0, tokens)));
+    return std::min(longest, std::max(lo, (t + granule_ - 1) / granule_ * granule_));
+  };
+  const int64_t max_chunk_slots = int64_t(wave.ctas) * policy_.max_chunks_per_slot;
+  const double per_token_us = task_us(1, wave) - policy_.cost.task_start_us;
+  Choice best{longest, INFINITY};
+  // Estimates a chunk target unless a lower bound of its makespan (its longest task, or the
+  // average load with the start-ups its extra tasks add) already reaches the best one's.
+  auto consider = [&](int64_t chunk) {
+    if (chunk == best.chunk && best.makespan_us < INFINITY) return;  // already estimated
+    const SplitCount count = split_count(chunk);
+    if (count.chunk_slots > max_chunk_slots) return;
+    const int64_t extra = count.items / heads - num_with_query_;
+    const double bound = std::max(task_us(chunk_length(longest, chunk), wave) * rounds,
+                                  average + double(extra) * policy_.cost.task_start_us * rounds / machines);
+    if (bound >= best.makespan_us) return;
+    const double m = makespan_us(chunk, wave);
+    // Ties keep the longer chunk (fewer chunks and merges).
+    if (m < best.makespan_us || (m == best.makespan_us && chunk > best.chunk)) best = {chunk, m};
+  };
+  // The ladder: chunks around the one whose task costs the average load, ratio 2^(1/2), nearest
+  // rungs first (the bound then skips most of the others), and the quarter-steps on either side
+  // of the best rung.
+  {
+    const double at_average = (average / rounds - policy_.cost.task_start_us) / per_token_us;
+    double best_rung = 0;
+    for (int k : {0, 1, -1, 2, -2}) {
+      const double rung = at_average * std::exp2(k / 2.0);
+      const double before = best.makespan_us;
+      consider(round_up(rung));
+      if (best.makespan_us < before) best_rung = rung;
+    }
+    if (best_rung > 0) {
+      consider(round_up(best_rung * std::exp2(0.25)));
+      consider(round_up(best_rung * std::exp2(-0.25)));
+    }
+  }
+  // The smallest chunks whose lists fit one, two and three waves (a batch that under-fills the
+  // GPU, or whose few requests split into whole rounds); the task count never grows with the
+  // chunk, so binary search over granules.
+  int64_t hi = (longest + granule_ - 1) / granule_;
+  for (int32_t waves = 1; waves <= 3; ++waves) {
+    const int64_t fit = int64_t(wave.ctas) * waves;
+    if (split_count(longest).items > fit) break;
+    int64_t a = lo / granule_, b = hi;
+    while (a < b) {
+      const int64_t mid = a + (b - a) / 2;
+      if (split_count(mid * granule_).items <= fit) b = mid; else a = mid + 1;
+    }
+    consider(std::min(longest, b * granule_));
+    hi = b;  // more waves fit shorter chunks
+  }
+  consider(longest);  // no split
+  return best;
 }
 
 void DecodePlanner::pin_shape(CtaShape shape) {
@@ -157,6 +356,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   kv_len_.clear();
   first_key_.clear();
   has_query_.clear();
+  rows_.assign(batch, 0);
   plan_.requests.clear();
   int64_t longest = 0;
   int64_t with_query = 0;
@@ -185,35 +385,7 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     longest = std::max(longest, kv_len_.back());
   }
 
-  // The chunk length for the default shape's wave and, where the one-CTA-per-SM shape exists,
-  // for its wave of num_sms CTAs. That shape is taken when its list fits its wave, its longest
-  // task is at most ctas_per_sm x the default's (a CTA of it streams as fast as the default CTAs
-  // an SM would otherwise hold; within kOneCtaPerSmMargin, since it saves chunks and merges) and
-  // it splits nothing, or the capacity says it pays for split lists too. Measured on the H200
-  // (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16 x 8K: no partials, no merge); at hd128
-  // a split list runs 0.5-2% slower in it (b1-b8), at hd256 2-13% faster (b4, b1 x 32K).
-  const int32_t wave = cap_.num_sms * cap_.ctas_per_sm * policy_.waves;
-  const int64_t gran = std::lcm<int64_t>(kv.block_size, policy_.granularity);
-  int64_t chunk = chunk_for_wave(wave, gran, longest);
-  plan_.shape = CtaShape::kDefault;
-  plan_.wave_ctas = wave;
-  const int32_t wide_wave = cap_.num_sms * policy_.waves;
-  const bool may_fit = with_query * cap_.num_kv_heads <= wide_wave;  // unsplit items, at least
-  if (cap_.one_cta_per_sm_shape && (shape_pinned_ ? pinned_shape_ == CtaShape::kOneCtaPerSm : may_fit)) {
-    const int64_t wide_chunk = chunk_for_wave(wide_wave, gran, longest);
-    const int64_t longest_task = std::min(chunk, longest);
-    const int64_t wide_longest_task = std::min(wide_chunk, longest);
-    const bool fits = items_for_chunk(wide_chunk) <= wide_wave;
-    const bool pays = wide_chunk >= longest || cap_.one_cta_per_sm_for_splits;
-    const bool balanced = double(wide_longest_task) <=
-                          double(longest_task) * cap_.ctas_per_sm * kOneCtaPerSmMargin;
-    if (shape_pinned_ || (fits && pays && balanced)) {
-      chunk = wide_chunk;
-      plan_.shape = CtaShape::kOneCtaPerSm;
-      plan_.wave_ctas = wide_wave;
-    }
-  }
-  const bool any_split = chunk < longest;
+  for (int32_t r = 0; r < batch; ++r) rows_[r] = plan_.requests[r].qo_len * group_;
 
   // Longest first; ties by request id. One packed key per request keeps the sort to plain
   // integer compares (kv_len < 2^31 tokens).
@@ -222,6 +394,72 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     keys_.push_back((int64_t(INT32_MAX) - kv_len_[r]) << 32 | r);
   }
   if (!std::is_sorted(keys_.begin(), keys_.end())) std::sort(keys_.begin(), keys_.end());
+  // The requests with a query in that order, their lengths, rows and length prefix sums: what
+  // the cost model reads (the short tail as a sum).
+  sorted_len_.clear();
+  sorted_rows_.clear();
+  prefix_len_.assign(1, 0);
+  for (int64_t key : keys_) {
+    const int32_t r = static_cast<int32_t>(key & 0xffffffff);
+    if (!has_query_[r]) continue;
+    sorted_len_.push_back(kv_len_[r]);
+    sorted_rows_.push_back(rows_[r]);
+    prefix_len_.push_back(prefix_len_.back() + kv_len_[r]);
+  }
+  num_with_query_ = static_cast<int64_t>(sorted_len_.size());
+  len_total_ = prefix_len_.back();
+
+  // The chunk target for the default shape's slots and, where the one-CTA-per-SM shape exists
+  // and the batch's unsplit items fit its num_sms CTAs, for that shape, whose CTA streams at the
+  // SM's whole rate. It is taken when its makespan is within kOneCtaPerSmMargin of the default's
+  // (it saves chunks and merges) and it splits nothing, or the capacity says it pays for split
+  // lists too. Measured on the H200 (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16 x 8K:
+  // no partials, no merge); at hd128 a split list runs 0.5-2% slower in it (b1-b8), at hd256
+  // 2-13% faster (b4, b1 x 32K).
+  granule_ = std::lcm<int64_t>(kv.block_size, policy_.granularity);
+  const double sm_rate = policy_.cost.sm_read_bytes_per_us;
+  const Wave base{cap_.num_sms * cap_.ctas_per_sm, sm_rate / cap_.ctas_per_sm};
+  const Wave wide{cap_.num_sms, sm_rate};
+  const bool pinned_wide = shape_pinned_ && pinned_shape_ == CtaShape::kOneCtaPerSm;
+  const bool may_fit = with_query * cap_.num_kv_heads <= cap_.num_sms;  // unsplit items, at least
+  Choice chosen{longest, 0.0};
+  plan_.shape = CtaShape::kDefault;
+  plan_.wave_ctas = base.ctas;
+  if (!pinned_wide) chosen = choose_chunk(base, longest);
+  if (cap_.one_cta_per_sm_shape && (pinned_wide || (!shape_pinned_ && may_fit))) {
+    // Unless it pays for split lists, only its unsplit list can be taken: estimate that alone.
+    Choice one = cap_.one_cta_per_sm_for_splits || pinned_wide ? choose_chunk(wide, longest)
+                                                               : Choice{longest, 0.0};
+    if (one.makespan_us == 0) one.makespan_us = makespan_us(one.chunk, wide);
+    if (!pinned_wide && chosen.makespan_us == 0) chosen.makespan_us = makespan_us(chosen.chunk, base);
+    const bool pays = one.chunk >= longest || cap_.one_cta_per_sm_for_splits;
+    if (pinned_wide || (pays && one.makespan_us <= chosen.makespan_us * kOneCtaPerSmMargin)) {
+      chosen = one;
+      plan_.shape = CtaShape::kOneCtaPerSm;
+      plan_.wave_ctas = wide.ctas;
+    }
+  }
+  const int64_t chunk = chosen.chunk;
+  const bool any_split = chunk < longest;
+  plan_.estimated_us = chosen.makespan_us;
+
+  // Launch order: longest task first (a split request by its chunk length), ties by request.
+  // The split requests are a prefix of the longest-first order: only they are re-sorted, then
+  // merged with the unsplit rest, which is in order already.
+  const std::vector<int64_t>* order = &keys_;
+  if (any_split) {
+    size_t split = 0;
+    while (split < keys_.size() && kv_len_[keys_[split] & 0xffffffff] > chunk) ++split;
+    emit_keys_.resize(keys_.size());
+    for (size_t i = 0; i < split; ++i) {
+      const int32_t r = static_cast<int32_t>(keys_[i] & 0xffffffff);
+      emit_keys_[i] = (int64_t(INT32_MAX) - chunk_length(kv_len_[r], chunk)) << 32 | r;
+    }
+    std::sort(emit_keys_.begin(), emit_keys_.begin() + split);
+    std::merge(emit_keys_.begin(), emit_keys_.begin() + split, keys_.begin() + split, keys_.end(),
+               split_keys_.begin());
+    order = &split_keys_;
+  }
 
   // Emit into the image or the reserved storage, without reallocation.
   WorkItem* const work = image != nullptr
@@ -229,10 +467,12 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
                              : work_storage_.data();
   plan_.merges.clear();
   plan_.slot_row_offset.assign(1, 0);
-  plan_.chunk_tokens = any_split ? static_cast<int32_t>(chunk) : 0;
+  plan_.chunk_tokens = 0;
+  plan_.split_rows = 0;
+  const int32_t heads = cap_.num_kv_heads;
   WorkItem* out = work;
-  for (int64_t key : keys_) {
-    const int32_t r = static_cast<int32_t>(key & 0xffffffff);
+  for (int32_t k = 0; k < batch; ++k) {
+    const int32_t r = static_cast<int32_t>((*order)[k] & 0xffffffff);
     if (!has_query_[r]) continue;
     const int32_t len = static_cast<int32_t>(kv_len_[r]);
     const int32_t first = first_key_[r];
@@ -240,27 +480,47 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       *out++ = WorkItem{r, first, first + len, -1, -1, 0, plan_.requests[r]};
       continue;
     }
-    // Chunk c of KV head h parks in slot first_slot + h x chunks + c: each head's merge row holds
-    // consecutive slots.
-    const int64_t rows = int64_t(qo_indptr[r + 1] - qo_indptr[r]) * group_;
-    const int32_t chunks = static_cast<int32_t>((len + chunk - 1) / chunk);
+    // Chunk c of KV head h parks in slot first_slot + h x chunks + c, so each head's chunks (and
+    // each of their groups) hold consecutive slots. One level: head h merges through row
+    // first_merge + h. Two levels: group j of head h is row first_merge + j x heads + h, which
+    // merges its chunks into group slot group_slot + h x groups + j and counts at the head's top
+    // row first_merge + groups x heads + h.
+    const int64_t rows = rows_[r];
+    const int32_t piece = static_cast<int32_t>(chunk_length(len, chunk));
+    const int32_t chunks = (len + piece - 1) / piece;
+    plan_.chunk_tokens = std::max(plan_.chunk_tokens, piece);
+    int32_t groups = 1;
+    (void)merge_us(chunks, rows, &groups);
     const int32_t first_slot = plan_.num_slots();
     const int32_t first_merge = static_cast<int32_t>(plan_.merges.size());
-    for (int32_t c = 0; c < chunks; ++c) {
-      *out++ = WorkItem{r,
-                        first + static_cast<int32_t>(c * chunk),
-                        first + static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk, len)),
-                        first_slot + c,
-                        first_merge,
-                        chunks,
-                        plan_.requests[r]};
-    }
-    for (int32_t h = 0; h < cap_.num_kv_heads; ++h) {
-      plan_.merges.push_back({r, h, first_slot + h * chunks, chunks});
-      for (int32_t c = 0; c < chunks; ++c) {
-        plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
+    auto group_begin = [&](int32_t j) { return static_cast<int32_t>(int64_t(j) * chunks / groups); };
+    for (int32_t j = 0; j < groups; ++j) {
+      for (int32_t c = group_begin(j); c < group_begin(j + 1); ++c) {
+        *out++ = WorkItem{r,
+                          first + c * piece,
+                          first + std::min(len, (c + 1) * piece),
+                          first_slot + c,
+                          first_merge + (groups > 1 ? j * heads : 0),
+                          chunks,
+                          plan_.requests[r]};
       }
     }
+    const int32_t group_slot = first_slot + heads * chunks;
+    if (groups == 1) {
+      for (int32_t h = 0; h < heads; ++h) plan_.merges.push_back({r, h, first_slot + h * chunks, chunks, -1, -1});
+    } else {
+      const int32_t top = first_merge + groups * heads;
+      for (int32_t j = 0; j < groups; ++j) {
+        for (int32_t h = 0; h < heads; ++h) {
+          plan_.merges.push_back({r, h, first_slot + h * chunks + group_begin(j), group_begin(j + 1) - group_begin(j),
+                                  group_slot + h * groups + j, top + h});
+        }
+      }
+      for (int32_t h = 0; h < heads; ++h) plan_.merges.push_back({r, h, group_slot + h * groups, groups, -1, -1});
+    }
+    const int32_t slots = heads * (chunks + (groups > 1 ? groups : 0));
+    for (int32_t s = 0; s < slots; ++s) plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
+    plan_.split_rows += heads;
   }
   plan_.work.data_ = work;
   plan_.work.size_ = static_cast<std::size_t>(out - work);

@@ -1,34 +1,43 @@
 // The decode planner: once per serving step, on the CPU, it turns the batch description (query
 // lengths, the page table as a BSR view, the head configuration) into the work list that every
 // layer's decode kernel runs: which CTA reads which (request, KV head, token range), where split
-// chunks park their partial states, and which partials each (request, KV head) merges.
+// chunks park their partial states, and how the partials of each (request, KV head) are merged.
 //
-// Split-KV (flash-decoding) comes from a cost model: the cost of a work item is the KV tokens it
-// reads. The planner picks the smallest chunk length (a multiple of the page-aligned granularity,
-// at least min_chunk_tokens) whose work list still fits one wave of CTAs (num_sms x ctas_per_sm);
-// when even unsplit requests overfill the wave, only requests longer than the average load per
-// CTA slot are split, to that length, so a skewed batch's few long requests do not form the tail.
-// Requests no longer than the chunk write their output directly; longer ones are split into chunks
-// merged afterwards. Work is ordered longest first (ties by request, then chunk). A work item
-// covers every KV head of its token range: the decode kernel runs one CTA task per (item, KV
-// head), task t being item t / num_kv_heads and head t % num_kv_heads, so the hardware hands
-// tasks to SMs as they free up. (One item per head made the planner write num_kv_heads times the
-// bytes: 2048 items of 40 bytes at 256 requests x 8 KV heads, most of its time.)
+// Objective: the step's critical path (makespan), under a cost model of the decode kernel
+// (CostModel: a task costs a start-up latency plus its K/V bytes at one CTA slot's share of the
+// read bandwidth; a merge costs a start-up plus its partial rows at one CTA's merge rate; the
+// constants were measured on the H200, notes/decode_plan.md). The kernel's CTAs take tasks in
+// launch order as CTA slots free up, so the planner emits them longest first and the schedule is
+// list scheduling (LPT) over the wave's slots; it estimates that schedule's makespan for a few
+// chunk lengths and keeps the best:
+//  - no split; the smallest chunk whose list fits one wave (a batch that under-fills the GPU);
+//    and a geometric ladder of chunk lengths around the one whose cost equals the average load
+//    per slot (a skewed batch: its long requests are split to about that load and short ones fill
+//    in). Long requests are cut into equal chunks (page-aligned), so no short remainder chunk.
+//  - a batch whose longest request is no longer than the average load per slot, or no longer than
+//    the minimum chunk, is never split (no estimate is made: splitting only adds work).
+// A split (request, KV head) merges its chunk partials in the CTA that finishes the last of them;
+// with many chunks the merge is a two-level tree (about sqrt(chunks) groups, each merged by the
+// CTA finishing the group's last chunk, into a group partial; the last group's merger merges the
+// group partials) wherever the model says the tree ends earlier than one CTA merging everything
+// (one CTA merges at ~23 GB/s: 200 chunks of 8 rows would take ~15 us on their own).
+// A work item covers every KV head of its token range: the decode kernel runs one CTA task per
+// (item, KV head), task t being item t / num_kv_heads and head t % num_kv_heads, so the hardware
+// hands tasks to SMs as they free up. (One item per head made the planner write num_kv_heads times
+// the bytes: 2048 items of 40 bytes at 256 requests x 8 KV heads, most of its time.)
 //
 // CTA shape: the decode kernel has a default shape (ctas_per_sm CTAs per SM) and, where the GPU
-// holds it, a one-CTA-per-SM shape with twice the warps and stage bytes (one_cta_per_sm_shape).
-// The planner balances the list for both and takes the one-per-SM plan when it fits one wave of
-// num_sms CTAs, its longest task is at most ctas_per_sm x the default plan's (a CTA of that shape
-// streams as fast as the default shape's CTAs of one SM) with a 1/16 margin, and it leaves every
-// item unsplit -- a batch
-// whose (request, KV head) items about fill the SMs then runs without partials or merges -- or the
-// capacity says the shape pays for split lists as well (one_cta_per_sm_for_splits: hd256, whose
-// default CTA has only 2 warps). A plan's shape can be pinned (CUDA-graph capture fixed the
-// kernel).
+// holds it, a one-CTA-per-SM shape with twice the warps and stage bytes (one_cta_per_sm_shape),
+// whose CTA streams at the whole SM's rate. The planner estimates both (the second only when the
+// batch's unsplit items fit num_sms CTAs) and takes the one-per-SM plan when its makespan is at
+// most 1/16 longer than the default plan's (it writes fewer partials and merges) and it leaves
+// every item unsplit, or the capacity says the shape pays for split lists as well
+// (one_cta_per_sm_for_splits: hd256, whose default CTA has only 2 warps). A plan's shape can be
+// pinned (CUDA-graph capture fixed the kernel).
 //
 // Requests with no query token this step get no work. Deterministic, allocation-free after
-// construction (every buffer is sized from PlanCapacity, so
-// the device copy of the plan has fixed addresses for CUDA-graph replay), pure C++.
+// construction (every buffer is sized from PlanCapacity, so the device copy of the plan has fixed
+// addresses for CUDA-graph replay), pure C++.
 #pragma once
 
 #include <cstddef>
@@ -57,10 +66,24 @@ struct PlanCapacity {
 // CTA per SM with twice the warps and stage bytes.
 enum class CtaShape : int8_t { kDefault, kOneCtaPerSm };
 
+// The decode kernel's costs, as the planner models them (measured on the H200 at hd128 with two
+// CTAs per SM, notes/decode_plan.md "Cost model"). Times in microseconds, rates in bytes per us.
+struct CostModel {
+  double sm_read_bytes_per_us = 34000;  // one SM's share of the read ceiling (4.5 TB/s / 132)
+  double task_start_us = 2.0;     // a task's first K/V tile: work item, page ids, first stages
+  double merge_start_us = 1.9;    // the last chunk's combine, partial write and count, the merge's
+                                  // row statistics and output
+  double merge_bytes_per_us = 23000;  // one CTA staging and folding partial rows (66 KB in 2.9 us)
+};
+
 struct SplitPolicy {
-  int32_t waves = 1;               // a split list may fill this many waves of CTAs
-  int32_t min_chunk_tokens = 256;  // a split never makes chunks shorter than this
+  int32_t min_chunk_tokens = 128;  // a split never makes chunks shorter than this (two K/V stages)
   int32_t granularity = 16;        // chunk lengths are multiples of lcm(page_size, granularity)
+  // A split list's chunk partials: at most this many per CTA slot of the wave (bounds the
+  // workspace; the chunk ladder's shortest rungs are skipped when they would exceed it).
+  int32_t max_chunks_per_slot = 2;
+  bool merge_tree = true;          // two-level merges where the model says they end earlier
+  CostModel cost;
 };
 
 // Per request, what the kernels need to find its rows; every work item carries its request's
@@ -106,11 +129,16 @@ inline Task task_of(const WorkItem& w, int32_t kv_head) {
 // The slots of one merge row are consecutive (first_slot .. first_slot + num_slots - 1) and hold
 // the same rows (the request's qo_len x group), so slot s's rows start at
 // slot_row_offset[first_slot] + (s - first_slot) x rows.
-struct MergeRow {  // one (request, KV head) whose chunk partials are merged into O / LSE
+// A merge row folds the partials of consecutive slots into O / LSE (target_slot -1) or, in a
+// two-level merge, into the group partial `target_slot`, after which the merging CTA counts at
+// merge row `parent` (the CTA that completes the parent's count merges it).
+struct MergeRow {  // one (request, KV head), or one group of its chunks
   int32_t request;
   int32_t kv_head;
   int32_t first_slot;
   int32_t num_slots;
+  int32_t target_slot;  // -1: writes O / LSE; else the group partial's slot
+  int32_t parent;       // -1: none; else the merge row that merges target_slot
 };
 
 // The work list of a plan: a view of the planner's own storage, or of the image plan() emitted
@@ -138,10 +166,13 @@ struct Plan {
   std::vector<MergeRow> merges;
   std::vector<RequestInfo> requests;      // [batch] (each work item carries its own copy)
   std::vector<int64_t> slot_row_offset;   // [slots + 1]: partial rows (qo_len x group) before slot s
-  int32_t chunk_tokens = 0;               // chosen chunk length; 0 when nothing is split
-  int32_t wave_ctas = 0;                  // CTAs of the wave it was balanced for: num_sms x
-                                          // ctas_per_sm x waves, or num_sms x waves (one per SM)
+  int32_t chunk_tokens = 0;               // the longest chunk of a split request (a request's
+                                          // chunks are equal but its last); 0 when none is split
+  int32_t wave_ctas = 0;                  // CTA slots it was balanced for: num_sms x ctas_per_sm,
+                                          // or num_sms (one CTA per SM)
   CtaShape shape = CtaShape::kDefault;    // the kernel shape it was balanced for
+  double estimated_us = 0;                // the cost model's makespan of this plan
+  int32_t split_rows = 0;                 // (request, KV head) pairs split into chunks
 
   int32_t num_slots() const { return static_cast<int32_t>(slot_row_offset.size()) - 1; }
   // Every task in launch order (task t = item t / heads, head t % heads). For tests and tools.
@@ -169,9 +200,9 @@ struct PlanHeader {
 struct WorkspaceLayout {
   std::size_t header = 0;       // PlanHeader
   std::size_t work = 0;         // WorkItem[max_work_items] (at most one item per task)
-  std::size_t merges = 0;       // MergeRow[max_slots]
+  std::size_t merges = 0;       // MergeRow[max_merges]
   std::size_t slot_rows = 0;    // int64_t[max_slots + 1]
-  std::size_t merge_counters = 0;  // int32_t[max_slots]: chunks finished per merge row, zeroed
+  std::size_t merge_counters = 0;  // int32_t[max_merges]: slots finished per merge row, zeroed
                                    // by every plan copy and reset by the CTA that merges
   std::size_t plan_bytes = 0;   // end of the plan arrays: the per-step copy
   std::size_t partial_o = 0;    // float[max_partial_rows x head_dim]
@@ -193,6 +224,7 @@ class DecodePlanner {
   // bounds the tasks (a captured launch's grid) and so the items too.
   int32_t max_work_items() const { return max_work_; }
   int32_t max_slots() const { return max_slots_; }
+  int32_t max_merges() const { return max_merges_; }
   int64_t max_partial_rows() const;
   // The workspace's sub-buffers for this capacity; total is what the user allocates once.
   const WorkspaceLayout& layout() const { return layout_; }
@@ -208,15 +240,39 @@ class DecodePlanner {
   void write_image(void* image) const;
 
  private:
-  int64_t items_for_chunk(int64_t chunk) const;
-  // The smallest chunk (tokens) whose work list fits `wave` CTAs, or the overfilled rule's.
-  int64_t chunk_for_wave(int32_t wave, int64_t granularity, int64_t longest) const;
+  // CTA slots of one kernel shape and the bytes per microsecond one of them streams.
+  struct Wave {
+    int32_t ctas;
+    double slot_bytes_per_us;
+  };
+  struct Choice {
+    int64_t chunk;  // chunk target in tokens (>= longest: nothing split)
+    double makespan_us;
+  };
+  struct SplitCount {
+    int64_t items;        // tasks: work items x KV heads
+    int64_t chunk_slots;  // partial slots of the split rows
+  };
+  SplitCount split_count(int64_t chunk) const;
+  // Chunks of a request of `len` tokens under the chunk target (equal lengths, granule-aligned).
+  int64_t chunk_length(int64_t len, int64_t chunk) const;
+  double task_us(int64_t tokens, const Wave& wave) const;
+  // When the merge of `slots` partials of `rows` rows ends after the last chunk, and the group
+  // count of its two-level merge (1: one level).
+  double merge_us(int64_t slots, int64_t rows, int32_t* groups) const;
+  // The cost model's makespan of the list that `chunk` gives, on `wave` (list scheduling in
+  // launch order over the slots; items under 1/8 of the chunk's cost fill the slots as a fluid).
+  double makespan_us(int64_t chunk, const Wave& wave) const;
+  // The best chunk target for `wave` (see the file comment).
+  Choice choose_chunk(const Wave& wave, int64_t longest) const;
 
   PlanCapacity cap_;
   SplitPolicy policy_;
   int32_t group_ = 1;
   int32_t max_work_ = 0;
   int32_t max_slots_ = 0;
+  int32_t max_merges_ = 0;
+  int64_t granule_ = 16;  // of the current plan: lcm(page_size, policy granularity)
   bool shape_pinned_ = false;
   CtaShape pinned_shape_ = CtaShape::kDefault;
   WorkspaceLayout layout_;
@@ -226,6 +282,17 @@ class DecodePlanner {
   std::vector<int64_t> kv_len_;   // per request, this step: the keys it reads (its cost)
   std::vector<int32_t> first_key_;  // per request: its first key the window can see (0 without)
   std::vector<uint8_t> has_query_;  // per request: qo_len > 0 (otherwise no work at all)
+  std::vector<int32_t> rows_;       // per request: qo_len x group (rows of each partial slot)
+  // The requests with a query, longest first: KV lengths, rows, prefix sums of the lengths.
+  std::vector<int64_t> sorted_len_;
+  std::vector<int32_t> sorted_rows_;
+  std::vector<int64_t> prefix_len_;
+  int64_t num_with_query_ = 0;
+  int64_t len_total_ = 0;
+  std::vector<int64_t> emit_keys_;  // (INT32_MAX - chunk length) << 32 | request, split ones
+  std::vector<int64_t> split_keys_;  // launch order when something is split
+  mutable std::vector<double> loads_;  // per machine group of the makespan estimate (a min-heap)
+  mutable std::vector<double> pending_merges_;  // merges waiting for the estimate's current batch
 };
 
 }  // namespace tessera::plan

@@ -469,6 +469,58 @@ TEST(GpuDecodeSplit, OverfilledBatchSplitsOnlyItsLongRequest) {
 }
 
 // ---- 4. Multi-token verification, windows, soft-cap --------------------------------------------------
+// ---- 3b. Skewed batches (the planner's makespan objective, two-level merges) ------------------------
+// One long request among 63 short ones, with 8 KV heads (group 4) and with 1 KV head (group 8, a
+// tensor-parallel slice): the long request is split into many chunks, which merge in two levels
+// where they are many (1 KV head: 8 rows per partial); results against the fp64 reference and a
+// second run bitwise identical (run_case).
+TEST(GpuDecodeSkew, OneLongRequestAmongManyShortOnes) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 280;
+  for (int kv_heads : {8, 1}) {
+    for (int long_len : {32768, 65536}) {
+      DecodeCase c;
+      pick_compiled(c.kv.head_dim, c.kv.dtype);
+      c.kv.num_kv_heads = kv_heads;
+      c.num_qo_heads = kv_heads == 8 ? 32 : 8;
+      std::mt19937 rng(seed);
+      std::uniform_int_distribution<int> short_len(16, 2048);
+      c.kv_len.assign(64, 0);
+      for (int& len : c.kv_len) len = short_len(rng);
+      c.kv_len[37] = long_len;
+      DecodePlanInfo info;
+      run_case(c, seed++, &info);
+      EXPECT_GE(info.num_split_requests, kv_heads) << "the long request is split";
+      if (kv_heads == 1) {
+        EXPECT_GT(info.num_merge_rows, info.num_split_requests)
+            << "many chunks of 8 rows merge in two levels (" << info.num_work_items << " work items, chunk "
+            << info.chunk_tokens << ")";
+      }
+    }
+  }
+}
+
+// A heavy tail (a few requests of 10K-32K, the rest of 40-900 tokens), many tiny requests and
+// empty ones, in one batch.
+TEST(GpuDecodeSkew, HeavyTailWithTinyAndEmptyRequests) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.num_qo_heads = 32;
+  c.kv.num_kv_heads = 8;
+  std::mt19937 rng(290);
+  std::uniform_int_distribution<int> body(40, 900);
+  for (int i = 0; i < 28; ++i) c.kv_len.push_back(body(rng));
+  c.kv_len.insert(c.kv_len.end(), {32768, 20000, 12000, 10000, 0, 1, 3, 0});
+  std::shuffle(c.kv_len.begin(), c.kv_len.end(), rng);
+  DecodePlanInfo info;
+  run_case(c, 291, &info);
+  EXPECT_GE(info.num_split_requests, 4 * c.kv.num_kv_heads) << "every long request is split";
+  c.kv.num_kv_heads = 1;
+  c.num_qo_heads = 8;
+  run_case(c, 292, &info);
+}
+
 TEST(GpuDecode, MultiTokenVerification) {
   TESSERA_REQUIRE_GPU();
   uint32_t seed = 300;
@@ -677,6 +729,7 @@ void replay_across_steps(int ctas_per_sm) {
       {{54, 700, 1}, {1, 2, 1}},                                               // captured on this one
       {{9000, 0, 97, 1, 16, 333, 2, 1000}, {1, 1, 2, 1, 0, 2, 2, 1}},          // full batch, a long one
       {{10000}, {2}},                                                          // one long request
+      {{9000, 3, 1, 7, 0, 5, 2, 9}, {1, 1, 1, 1, 1, 1, 1, 1}},                 // skewed: two-level merges
       {{5, 17}, {2, 1}},                                                       // fewer than captured
   };
   std::mt19937 rng(700);

@@ -243,11 +243,17 @@ __device__ void merge_chunk_partials(const DecodeParams& p, const plan::MergeRow
       float out[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) out[e] = st.nan ? NAN : acc[e] * st.inv_sum;
-      const int64_t q_row = req.q_start + rr / group;
-      const int head = m.kv_head * group + rr % group;
-      *reinterpret_cast<uint2*>(static_cast<T*>(p.o) + q_row * p.o_stride_row + head * p.o_stride_head + col) =
-          make_uint2(pack2<T>(out[0], out[1]), pack2<T>(out[2], out[3]));
-      if (p.lse != nullptr && col == 0) p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = st.lse;
+      if (m.target_slot < 0) {
+        const int64_t q_row = req.q_start + rr / group;
+        const int head = m.kv_head * group + rr % group;
+        *reinterpret_cast<uint2*>(static_cast<T*>(p.o) + q_row * p.o_stride_row + head * p.o_stride_head + col) =
+            make_uint2(pack2<T>(out[0], out[1]), pack2<T>(out[2], out[3]));
+        if (p.lse != nullptr && col == 0) p.lse[q_row * p.lse_stride_row + head * p.lse_stride_head] = st.lse;
+      } else {  // a group of a two-level merge: its state is a partial of the top merge
+        const int64_t prow = p.slot_rows[m.target_slot] + rr;
+        *reinterpret_cast<float4*>(p.partial_o + prow * kHeadDim + col) = make_float4(out[0], out[1], out[2], out[3]);
+        if (col == 0) p.partial_lse[prow] = st.lse;
+      }
     }
     __syncthreads();  // row_stats is rewritten by the next round
   }
@@ -572,31 +578,37 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
     }
 
     if (w.partial_slot >= 0) {
-      // Split request: the CTA that finishes its last chunk merges all of them (the classic
-      // fence-then-count pattern), so no second kernel and no launch gap follow the decode.
-      // One thread counts for the CTA with an acquire-release atomic: the barrier before it orders
-      // every thread's partial writes before the count (release), the barrier after it orders the
-      // count before the merge's reads (acquire). (A full __threadfence() on each side compiles
-      // to a sequentially consistent MEMBAR.SC.GPU.)
+      // Split request: the CTA that finishes the last slot of a merge row merges them (the
+      // classic fence-then-count pattern), so no second kernel and no launch gap follow the
+      // decode. A group of a two-level merge writes a partial of its parent row and counts there
+      // in turn. One thread counts for the CTA with an acquire-release atomic: the barrier
+      // before it orders every thread's partial writes before the count (release), the barrier
+      // after it orders the count before the merge's reads (acquire). (A full __threadfence() on
+      // each side compiles to a sequentially consistent MEMBAR.SC.GPU.)
       __shared__ int merges_here;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int before;
-        asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n"
-                     : "=r"(before)
-                     : "l"(p.merge_counters + w.merge)
-                     : "memory");
-        merges_here = before == merge.num_slots - 1;
-      }
-      __syncthreads();
-      if (merges_here) {
-        merge_chunk_partials<T, kHeadDim, kThreads>(p, merge, req, group, scratch,
-                                                    kStages * Cfg::kStageBytes / 4);
+      int row = w.merge;
+      plan::MergeRow m = merge;
+      for (;;) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          int before;
+          asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;\n"
+                       : "=r"(before)
+                       : "l"(p.merge_counters + row)
+                       : "memory");
+          merges_here = before == m.num_slots - 1;
+        }
+        __syncthreads();
+        if (!merges_here) break;
+        merge_chunk_partials<T, kHeadDim, kThreads>(p, m, req, group, scratch, kStages * Cfg::kStageBytes / 4);
         // Ready for the next layer's run(): subtract this run's count rather than storing 0, so a
         // stray extra count (misuse: two runs sharing the workspace concurrently) cannot stick.
-        if (threadIdx.x == 0) atomicSub(p.merge_counters + w.merge, merge.num_slots);
-        __syncthreads();  // the scratch is refilled by the next item
+        if (threadIdx.x == 0) atomicSub(p.merge_counters + row, m.num_slots);
+        if (m.parent < 0) break;
+        row = m.parent;
+        m = p.merges[row];
       }
+      __syncthreads();  // the scratch is refilled by the next item
     }
   }
 }
