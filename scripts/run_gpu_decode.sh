@@ -38,7 +38,7 @@ if [ -n "$baseline" ]; then
 fi
 if [ "${SKIP_PEERS:-0}" != 1 ]; then
   echo "== peers"
-  python3 bench/peers.py --cases bench/cases --suites "$suites" --merge-into "$out/decode.json" ${PEER_ARGS:-} \
+  python3 bench/peers.py --cases bench/cases --suites "$suites" --merge-into "$out/decode.json" --out "$out/decode.json" ${PEER_ARGS:-} \
     >> "$out/bench.log" 2>&1 || { echo "peers FAILED"; status=1; }
 fi
 tail -5 "$out/bench.log"

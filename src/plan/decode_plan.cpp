@@ -40,7 +40,8 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
     fail("policy", "min_chunk_tokens, granularity and max_chunks_per_slot must be >= 1");
   }
   const CostModel& c = policy_.cost;
-  if (!(c.sm_read_bytes_per_us > 0) || !(c.merge_bytes_per_us > 0) || !(c.task_start_us >= 0) ||
+  if (!(c.sm_read_bytes_per_us > 0) || !(c.cta_peak_bytes_per_us > 0) ||
+      !(c.one_cta_per_sm_peak_bytes_per_us > 0) || !(c.merge_bytes_per_us > 0) || !(c.task_start_us >= 0) ||
       !(c.merge_start_us >= 0)) {
     fail("policy", "the cost model's rates must be > 0 and its start-up times >= 0");
   }
@@ -141,9 +142,29 @@ DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk) const {
   return count;
 }
 
+double DecodePlanner::token_us(const Wave& wave, int64_t concurrent) const {
+  // `concurrent` CTAs spread over the SMs (the hardware fills every SM before doubling up): the
+  // SMs holding the most of them set the round's end. Their CTAs get the bandwidth the others
+  // leave (at their peak), shared, and at most an SM's share each: b9 x 8K in 3 chunks, 216 CTAs
+  // (84 SMs with two): 18.5 GB/s, measured 18.5; b1 x 32K in 21 chunks (168 CTAs, 36 SMs with
+  // two): 23.5 GB/s, so 33 chunks (264 CTAs) end sooner, as measured.
+  const double peak = wave.cta_peak_bytes_per_us;
+  const double bandwidth = policy_.cost.sm_read_bytes_per_us * cap_.num_sms;
+  const int64_t n = std::max<int64_t>(1, concurrent), sms = cap_.num_sms;
+  double rate = std::min(peak, bandwidth / double(n));
+  if (n > sms) {
+    const int64_t most = (n + sms - 1) / sms;          // CTAs on the busiest SMs
+    const int64_t busiest = (n - (most - 1) * sms) * most;  // CTAs on them
+    const double others = double(n - busiest) * peak;
+    const double full_share = bandwidth / double(std::max<int64_t>(n, wave.ctas));  // never less
+    rate = std::min({peak, policy_.cost.shared_sm_peak_bytes_per_us / double(most),
+                     std::max(full_share, (bandwidth - others) / double(busiest))});
+  }
+  return 4.0 * cap_.head_dim / rate;  // K and V rows of one KV head, 2-byte elements
+}
+
 double DecodePlanner::task_us(int64_t tokens, const Wave& wave) const {
-  // K and V rows of one KV head, 2-byte elements.
-  return policy_.cost.task_start_us + double(tokens) * (4.0 * cap_.head_dim) / wave.slot_bytes_per_us;
+  return policy_.cost.task_start_us + double(tokens) * token_us(wave, wave.ctas);
 }
 
 double DecodePlanner::merge_us(int64_t slots, int64_t rows, int32_t* groups) const {
@@ -170,9 +191,16 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
   const int32_t heads = cap_.num_kv_heads;
   const int32_t machines = std::max(1, wave.ctas / heads);
   const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;  // more heads than slots
-  const double per_token = (task_us(1, wave) - policy_.cost.task_start_us) * rounds;
+  // Tasks of full rounds stream at the full wave's share of the bandwidth, those of the last
+  // (partial) round at a larger share; items placed from item `last_round` on are in it.
+  const int64_t tasks = split_count(chunk).items;
+  const int64_t full_rounds = (tasks - 1) / wave.ctas;
+  const int64_t last_round = full_rounds * wave.ctas / heads;
+  const double full_token = token_us(wave, wave.ctas) * rounds;
+  const double last_token = token_us(wave, tasks - full_rounds * wave.ctas) * rounds;
   const double start = policy_.cost.task_start_us * rounds;
-  const double small = (start + double(chunk) * per_token) / 4;  // cheaper items fill in as a fluid
+  const double small = (start + double(chunk) * last_token) / 4;  // cheaper items fill in as a fluid
+  int64_t placed = 0;  // items so far
   // Wide waves (few KV heads: up to 264 machines on an H200) are estimated with machines in
   // lockstep groups of `lockstep`, each group taking `lockstep` consecutive items at once at the
   // cost of the longest: exact for runs of equal chunks, and it keeps the estimate to at most
@@ -227,12 +255,15 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
     batch_items = 0;
     batch_cost = 0;
   };
-  auto add = [&](int64_t count, double cost) {  // `count` items of `cost`
+  auto add = [&](int64_t count, int64_t tokens) {  // `count` items of `tokens` each
     while (count > 0) {
-      const int64_t take = std::min<int64_t>(count, lockstep - batch_items);
+      int64_t take = std::min<int64_t>(count, lockstep - batch_items);
+      if (placed < last_round) take = std::min(take, last_round - placed);
+      const double per_token = placed < last_round ? full_token : last_token;
       batch_items += static_cast<int32_t>(take);
-      batch_cost = std::max(batch_cost, cost);
+      batch_cost = std::max(batch_cost, start + double(tokens) * per_token);
       count -= take;
+      placed += take;
       if (batch_items == lockstep) flush();
     }
   };
@@ -242,19 +273,18 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
     const int64_t len = sorted_len_[i];
     const int64_t piece = chunk_length(len, chunk);
     const int64_t n = (len + piece - 1) / piece;
-    add(n, start + double(piece) * per_token);
+    add(n, piece);
     int32_t merge_groups;
     const double merge = merge_us(n, sorted_rows_[i], &merge_groups);
     if (batch_items == 0) merges_end = std::max(merges_end, last_end + merge);  // its batch ended
     else pending_merges_.push_back(merge);
   }
-  for (; i < n_requests && start + double(sorted_len_[i]) * per_token >= small; ++i) {
-    add(1, start + double(sorted_len_[i]) * per_token);
-  }
+  for (; i < n_requests && start + double(sorted_len_[i]) * last_token >= small; ++i) add(1, sorted_len_[i]);
   flush();
   // The rest, from the prefix sums: they fill the least loaded machines up to a common level,
   // which only matters where it rises above the most loaded group.
-  const double fluid = (double(n_requests - i) * start + double(len_total_ - prefix_len_[i]) * per_token) / lockstep;
+  const double fluid_token = placed < last_round ? full_token : last_token;
+  const double fluid = (double(n_requests - i) * start + double(len_total_ - prefix_len_[i]) * fluid_token) / lockstep;
   double most = 0, sum = 0;
   for (int32_t k = 0; k < groups; ++k) {
     most = std::max(most, h[k]);
@@ -271,7 +301,7 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
   const int32_t machines = std::max(1, wave.ctas / heads);
   const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;
   const double total = (double(num_with_query_) * policy_.cost.task_start_us +
-                        double(len_total_) * (task_us(1, wave) - policy_.cost.task_start_us)) * rounds;
+                        double(len_total_) * token_us(wave, wave.ctas)) * rounds;
   const double average = total / machines;
   // Nothing to gain: the longest request is within the minimum chunk or the average load.
   if (longest <= lo || task_us(longest, wave) * rounds <= average) return {longest, 0.0};
@@ -281,7 +311,9 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     return std::min(longest, std::max(lo, (t + granule_ - 1) / granule_ * granule_));
   };
   const int64_t max_chunk_slots = int64_t(wave.ctas) * policy_.max_chunks_per_slot;
-  const double per_token_us = task_us(1, wave) - policy_.cost.task_start_us;
+  const double per_token_us = token_us(wave, wave.ctas);
+  const double fastest_token = token_us(wave, 1);
+  const double slowest_share_token = per_token_us;  // all slots streaming: the bandwidth's share
   Choice best{longest, INFINITY};
   // Estimates a chunk target unless a lower bound of its makespan (its longest task, or the
   // average load with the start-ups its extra tasks add) already reaches the best one's.
@@ -289,9 +321,12 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     if (chunk == best.chunk && best.makespan_us < INFINITY) return;  // already estimated
     const SplitCount count = split_count(chunk);
     if (count.chunk_slots > max_chunk_slots) return;
+    // (Each at its fastest: a task at its CTA's peak, all of them at the whole bandwidth.)
     const int64_t extra = count.items / heads - num_with_query_;
-    const double bound = std::max(task_us(chunk_length(longest, chunk), wave) * rounds,
-                                  average + double(extra) * policy_.cost.task_start_us * rounds / machines);
+    const double bound =
+        std::max(policy_.cost.task_start_us + double(chunk_length(longest, chunk)) * fastest_token,
+                 (double(num_with_query_ + extra) * heads * policy_.cost.task_start_us / wave.ctas +
+                  double(len_total_) * heads * slowest_share_token / wave.ctas));
     if (bound >= best.makespan_us) return;
     const double m = makespan_us(chunk, wave);
     // Ties keep the longer chunk (fewer chunks and merges).
@@ -417,9 +452,8 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   // no partials, no merge); at hd128 a split list runs 0.5-2% slower in it (b1-b8), at hd256
   // 2-13% faster (b4, b1 x 32K).
   granule_ = std::lcm<int64_t>(kv.block_size, policy_.granularity);
-  const double sm_rate = policy_.cost.sm_read_bytes_per_us;
-  const Wave base{cap_.num_sms * cap_.ctas_per_sm, sm_rate / cap_.ctas_per_sm};
-  const Wave wide{cap_.num_sms, sm_rate};
+  const Wave base{cap_.num_sms * cap_.ctas_per_sm, policy_.cost.cta_peak_bytes_per_us};
+  const Wave wide{cap_.num_sms, policy_.cost.one_cta_per_sm_peak_bytes_per_us};
   const bool pinned_wide = shape_pinned_ && pinned_shape_ == CtaShape::kOneCtaPerSm;
   const bool may_fit = with_query * cap_.num_kv_heads <= cap_.num_sms;  // unsplit items, at least
   Choice chosen{longest, 0.0};

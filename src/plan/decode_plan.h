@@ -66,10 +66,18 @@ struct PlanCapacity {
 // CTA per SM with twice the warps and stage bytes.
 enum class CtaShape : int8_t { kDefault, kOneCtaPerSm };
 
-// The decode kernel's costs, as the planner models them (measured on the H200 at hd128 with two
-// CTAs per SM, notes/decode_plan.md "Cost model"). Times in microseconds, rates in bytes per us.
+// The decode kernel's costs, as the planner models them (measured on the H200 at hd128,
+// notes/decode_plan.md "Cost model"). Times in microseconds, rates in bytes per us. A task
+// streams its K/V at min(its CTA's peak, the read bandwidth / the tasks streaming with it), the
+// tasks of a round being those that share the wave's slots: a full wave splits the bandwidth
+// (b16 x 8K split in two: 16.7 GB/s per CTA), a partial round leaves each CTA more of it, up to
+// the CTA's peak (b17 x 8K unsplit, 136 CTAs of the default shape: 27 GB/s each) or, on an SM
+// holding two, half of that SM's peak (b1 x 32K in 21 chunks, 168 CTAs: 23.6 GB/s each).
 struct CostModel {
-  double sm_read_bytes_per_us = 34000;  // one SM's share of the read ceiling (4.5 TB/s / 132)
+  double sm_read_bytes_per_us = 33300;   // the read bandwidth per SM (4.4 TB/s / 132)
+  double cta_peak_bytes_per_us = 27000;  // a default-shape CTA alone on its SM
+  double shared_sm_peak_bytes_per_us = 47000;  // an SM holding several of them (all together)
+  double one_cta_per_sm_peak_bytes_per_us = 34000;  // a CTA of the one-CTA-per-SM shape
   double task_start_us = 2.0;     // a task's first K/V tile: work item, page ids, first stages
   double merge_start_us = 1.9;    // the last chunk's combine, partial write and count, the merge's
                                   // row statistics and output
@@ -240,10 +248,10 @@ class DecodePlanner {
   void write_image(void* image) const;
 
  private:
-  // CTA slots of one kernel shape and the bytes per microsecond one of them streams.
+  // CTA slots of one kernel shape and the bytes per microsecond one of its CTAs can stream.
   struct Wave {
     int32_t ctas;
-    double slot_bytes_per_us;
+    double cta_peak_bytes_per_us;
   };
   struct Choice {
     int64_t chunk;  // chunk target in tokens (>= longest: nothing split)
@@ -256,7 +264,9 @@ class DecodePlanner {
   SplitCount split_count(int64_t chunk) const;
   // Chunks of a request of `len` tokens under the chunk target (equal lengths, granule-aligned).
   int64_t chunk_length(int64_t len, int64_t chunk) const;
-  double task_us(int64_t tokens, const Wave& wave) const;
+  // Microseconds per K/V token of one KV head while `concurrent` tasks stream.
+  double token_us(const Wave& wave, int64_t concurrent) const;
+  double task_us(int64_t tokens, const Wave& wave) const;  // in a full wave
   // When the merge of `slots` partials of `rows` rows ends after the last chunk, and the group
   // count of its two-level merge (1: one level).
   double merge_us(int64_t slots, int64_t rows, int32_t* groups) const;
