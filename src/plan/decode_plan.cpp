@@ -21,6 +21,11 @@ namespace {
 // be taken: it writes fewer partials and merges (b16 x 8K unsplit: +2%).
 constexpr double kOneCtaPerSmMargin = 17.0 / 16.0;
 
+// How far apart two estimates must be for the one with more chunks to be taken: the model's
+// makespans were within 2-5% of the measured ones (notes/decode_plan.md, "Cost model"); b9 x 8K
+// in 7 chunks (2 rounds) was estimated 1% faster than in 3 (one round) and ran 4.5% slower.
+constexpr double kModelTolerance = 1.02;
+
 }  // namespace
 
 DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy)
@@ -245,11 +250,12 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
   // The batch being gathered for one group, and the merges of split requests whose last chunk is
   // in it (they start when it ends).
   int32_t batch_items = 0;
-  double batch_cost = 0, last_end = 0, merges_end = 0;
+  double batch_cost = 0, last_end = 0, merges_end = 0, run_end = 0;
   pending_merges_.clear();
   auto flush = [&] {
     if (batch_items == 0) return;
     last_end = place(batch_cost);
+    run_end = std::max(run_end, last_end);
     for (double m : pending_merges_) merges_end = std::max(merges_end, last_end + m);
     pending_merges_.clear();
     batch_items = 0;
@@ -269,17 +275,33 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
   };
   const size_t n_requests = sorted_len_.size();
   size_t i = 0;
-  for (; i < n_requests && sorted_len_[i] > chunk; ++i) {  // the split requests, longest first
+  // Requests of equal length and rows (adjacent in this order) are one run: their chunks are
+  // equal, and the latest of them ends the run's merges.
+  auto run_of = [&](size_t first) {
+    size_t last = first + 1;
+    while (last < n_requests && sorted_len_[last] == sorted_len_[first] && sorted_rows_[last] == sorted_rows_[first]) {
+      ++last;
+    }
+    return last;
+  };
+  while (i < n_requests && sorted_len_[i] > chunk) {  // the split requests, longest first
+    const size_t next = run_of(i);
     const int64_t len = sorted_len_[i];
     const int64_t piece = chunk_length(len, chunk);
     const int64_t n = (len + piece - 1) / piece;
-    add(n, piece);
+    run_end = 0;
+    add(n * int64_t(next - i), piece);
     int32_t merge_groups;
     const double merge = merge_us(n, sorted_rows_[i], &merge_groups);
-    if (batch_items == 0) merges_end = std::max(merges_end, last_end + merge);  // its batch ended
-    else pending_merges_.push_back(merge);
+    if (run_end > 0) merges_end = std::max(merges_end, run_end + merge);  // batches that ended
+    if (batch_items > 0) pending_merges_.push_back(merge);               // and the one gathering
+    i = next;
   }
-  for (; i < n_requests && start + double(sorted_len_[i]) * last_token >= small; ++i) add(1, sorted_len_[i]);
+  while (i < n_requests && start + double(sorted_len_[i]) * last_token >= small) {
+    const size_t next = run_of(i);
+    add(int64_t(next - i), sorted_len_[i]);
+    i = next;
+  }
   flush();
   // The rest, from the prefix sums: they fill the least loaded machines up to a common level,
   // which only matters where it rises above the most loaded group.
@@ -329,8 +351,11 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
                   double(len_total_) * heads * slowest_share_token / wave.ctas));
     if (bound >= best.makespan_us) return;
     const double m = makespan_us(chunk, wave);
-    // Ties keep the longer chunk (fewer chunks and merges).
-    if (m < best.makespan_us || (m == best.makespan_us && chunk > best.chunk)) best = {chunk, m};
+    // Within the model's error (kModelTolerance) the longer chunk wins: fewer tasks, partials
+    // and merges.
+    const bool better = chunk > best.chunk ? m <= best.makespan_us * kModelTolerance
+                                           : m * kModelTolerance < best.makespan_us;
+    if (better || best.makespan_us == INFINITY) best = {chunk, m};
   };
   // The ladder: chunks around the one whose task costs the average load, ratio 2^(1/2), nearest
   // rungs first (the bound then skips most of the others), and the quarter-steps on either side
@@ -340,9 +365,10 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     double best_rung = 0;
     for (int k : {0, 1, -1, 2, -2}) {
       const double rung = at_average * std::exp2(k / 2.0);
-      const double before = best.makespan_us;
+      const int64_t before = best.chunk;
+      const double before_us = best.makespan_us;
       consider(round_up(rung));
-      if (best.makespan_us < before) best_rung = rung;
+      if (best.chunk != before || best.makespan_us != before_us) best_rung = rung;
     }
     if (best_rung > 0) {
       consider(round_up(best_rung * std::exp2(0.25)));

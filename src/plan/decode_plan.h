@@ -74,7 +74,7 @@ enum class CtaShape : int8_t { kDefault, kOneCtaPerSm };
 // the CTA's peak (b17 x 8K unsplit, 136 CTAs of the default shape: 27 GB/s each) or, on an SM
 // holding two, half of that SM's peak (b1 x 32K in 21 chunks, 168 CTAs: 23.6 GB/s each).
 struct CostModel {
-  double sm_read_bytes_per_us = 33300;   // the read bandwidth per SM (4.4 TB/s / 132)
+  double sm_read_bytes_per_us = 35000;   // the read bandwidth per SM (the read ceiling, 4.62 TB/s / 132)
   double cta_peak_bytes_per_us = 27000;  // a default-shape CTA alone on its SM
   double shared_sm_peak_bytes_per_us = 47000;  // an SM holding several of them (all together)
   double one_cta_per_sm_peak_bytes_per_us = 34000;  // a CTA of the one-CTA-per-SM shape
