@@ -373,6 +373,25 @@ struct HostPageTable {
   int num_pages() const { return indptr.back(); }
 };
 
+// `rotations` sets of random K/V page pools, Q, and O / LSE buffers for a paged benchmark (rotated
+// so that a timed call does not find its inputs in L2).
+struct PagedSet {
+  std::unique_ptr<Buffer> k, v, q, o, lse;
+};
+std::vector<PagedSet> random_paged_sets(int rotations, size_t pool_bytes, size_t q_bytes, size_t lse_bytes) {
+  std::vector<PagedSet> sets;
+  for (int r = 0; r < rotations; ++r) {
+    PagedSet st{std::make_unique<Buffer>(pool_bytes), std::make_unique<Buffer>(pool_bytes),
+                std::make_unique<Buffer>(q_bytes), std::make_unique<Buffer>(q_bytes),
+                std::make_unique<Buffer>(lse_bytes)};
+    fill_random(st.k->get(), pool_bytes, 10 * r + 1, false);
+    fill_random(st.v->get(), pool_bytes, 10 * r + 2, false);
+    fill_random(st.q->get(), q_bytes, 10 * r + 3, false);
+    sets.push_back(std::move(st));
+  }
+  return sets;
+}
+
 HostPageTable shuffled_page_table(const std::vector<int32_t>& len, int P, uint64_t seed) {
   HostPageTable t;
   for (const int32_t n : len) {
@@ -433,17 +452,7 @@ int bench_decode(const Args& a) {
   const size_t q_bytes = size_t(batch) * qh * D * esize, lse_bytes = size_t(batch) * qh * 4;
   const int rot = rotations_for(bytes + 2.0 * q_bytes + lse_bytes);
   const size_t pool_bytes = size_t(num_pages) * P * kh * D * esize;
-  struct Set { std::unique_ptr<Buffer> k, v, q, o, lse; };
-  std::vector<Set> sets;
-  for (int r = 0; r < rot; ++r) {
-    Set st{std::make_unique<Buffer>(pool_bytes), std::make_unique<Buffer>(pool_bytes),
-           std::make_unique<Buffer>(q_bytes), std::make_unique<Buffer>(q_bytes),
-           std::make_unique<Buffer>(lse_bytes)};
-    fill_random(st.k->get(), pool_bytes, 10 * r + 1, false);
-    fill_random(st.v->get(), pool_bytes, 10 * r + 2, false);
-    fill_random(st.q->get(), q_bytes, 10 * r + 3, false);
-    sets.push_back(std::move(st));
-  }
+  const std::vector<PagedSet> sets = random_paged_sets(rot, pool_bytes, q_bytes, lse_bytes);
   const DevicePageTable device_table(indptr, ids, last);
   const PageTable& table = device_table.table;
 
@@ -488,7 +497,7 @@ int bench_decode(const Args& a) {
   const DecodePlanInfo info = decoder.last_plan();
 
   auto run_step = [&](int i) {
-    const Set& st = sets[i % rot];
+    const PagedSet& st = sets[i % rot];
     const PagedKVCache cache = paged_cache(st.k->get(), st.v->get(), dtype, layout, num_pages, P, kh, D);
     decoder.run(TensorView::contiguous(st.q->get(), dtype, {batch, qh, D}), cache, table,
                 TensorView::contiguous(st.o->get(), dtype, {batch, qh, D}),
@@ -501,10 +510,11 @@ int bench_decode(const Args& a) {
   std::snprintf(extra, sizeof(extra),
                 ", \"rotations\": %d, \"kv_tokens\": %lld, \"max_kv_len\": %d, \"chunk_tokens\": %d, "
                 "\"work_items\": %d, \"split_requests\": %d, \"grid_ctas\": %d, \"ctas_per_sm\": %d, \"plan_us\": %.3f, "
-                "\"plan_checked_us\": %.3f, \"stream_us\": %.3f, \"stream_tbs\": %.4f",
+                "\"plan_checked_us\": %.3f, \"stream_us\": %.3f, \"stream_tbs\": %.4f, \"merge_rows\": %d, "
+                "\"estimated_us\": %.1f",
                 rot, static_cast<long long>(kv_tokens), max_kv, info.chunk_tokens, info.num_work_items,
                 info.num_split_requests, info.grid_ctas, info.ctas_per_sm, plan_median_us, plan_checked_us,
-                stream_step_ms * 1e3, bytes / (stream_step_ms * 1e-3) / 1e12);
+                stream_step_ms * 1e3, bytes / (stream_step_ms * 1e-3) / 1e12, info.num_merge_rows, info.estimated_us);
   print_record("decode", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3, extra);
   return 0;
 }
@@ -608,19 +618,9 @@ int bench_prefill_plan(const Args& a) {
   const size_t pool_bytes = size_t(num_pages) * P * kh * d * 2;
   const size_t q_bytes = size_t(q_rows) * qh * d * 2, lse_bytes = size_t(q_rows) * qh * 4;
   const int rot = rotations_for(2.0 * double(host_table.tokens) * kh * d * 2 + 2.0 * q_bytes + lse_bytes);
-  struct Set { std::unique_ptr<Buffer> k, v, q, o, lse; };
-  std::vector<Set> sets;
-  for (int r = 0; r < rot; ++r) {
-    Set st{std::make_unique<Buffer>(pool_bytes), std::make_unique<Buffer>(pool_bytes),
-           std::make_unique<Buffer>(q_bytes), std::make_unique<Buffer>(q_bytes),
-           std::make_unique<Buffer>(lse_bytes)};
-    fill_random(st.k->get(), pool_bytes, 10 * r + 1, false);
-    fill_random(st.v->get(), pool_bytes, 10 * r + 2, false);
-    fill_random(st.q->get(), q_bytes, 10 * r + 3, false);
-    sets.push_back(std::move(st));
-  }
+  const std::vector<PagedSet> sets = random_paged_sets(rot, pool_bytes, q_bytes, lse_bytes);
   auto run_step = [&](int i) {
-    const Set& st = sets[i % rot];
+    const PagedSet& st = sets[i % rot];
     PagedPrefillArgs pa;
     pa.q = TensorView::contiguous(st.q->get(), DType::kBF16, {q_rows, qh, d});
     pa.qo_indptr = TensorView::contiguous(d_qo.get(), DType::kInt32, {batch + 1});

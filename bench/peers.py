@@ -538,6 +538,26 @@ def flashinfer_paged_cache(k, per_req, ids, p):
     return pages
 
 
+def flashinfer_plan(key, label, plan):
+    """Runs a wrapper's plan() and returns its seconds. The first plan of a kernel (`key`) loads its
+    module (or JIT-builds it): its time goes to FLASHINFER["first_plan_s"][label], and a failure is
+    remembered so that later cases skip that kernel."""
+    first = key not in FLASHINFER["planned"]
+    t0 = time.perf_counter()
+    try:
+        plan()
+        torch.cuda.synchronize()
+    except Exception as e:
+        if first:
+            FLASHINFER["failed"][key] = error_text(e)[:200]
+        raise
+    plan_s = time.perf_counter() - t0
+    if first:
+        FLASHINFER["planned"].add(key)
+        FLASHINFER["first_plan_s"][label] = round(plan_s, 1)
+    return plan_s
+
+
 def peer_flashinfer_prefill(fi, sets, p, args):
     """FlashInfer's batch prefill over the SDPA peers' inputs, copied once into its layouts: q
     [b * seq, Hq, d]; K/V ragged [b * seq, Hkv, d] (NHD), or paged (prefill_paged: page_size,
@@ -585,19 +605,8 @@ def peer_flashinfer_prefill(fi, sets, p, args):
         def call(x):
             return wrapper.run(x[0], x[1], x[2])
 
-    t0 = time.perf_counter()
     first = key not in FLASHINFER["planned"]
-    try:
-        plan()  # the first plan of a head dim loads (or JIT-builds) its kernel module
-        torch.cuda.synchronize()
-    except Exception as e:
-        if first:
-            FLASHINFER["failed"][key] = error_text(e)[:200]
-        raise
-    plan_s = time.perf_counter() - t0
-    if first:
-        FLASHINFER["planned"].add(key)
-        FLASHINFER["first_plan_s"]["hd%d%s" % (d, "_paged" if paged else "")] = round(plan_s, 1)
+    plan_s = flashinfer_plan(key, "hd%d%s" % (d, "_paged" if paged else ""), plan)
     q, k, v = sets[0]
     ref = F.scaled_dot_product_attention(q[:1], k[:1], v[:1], is_causal=p["causal"], enable_gqa=hq != hkv)
     err = (call(fi_sets[0])[:s].float() - ref[0].transpose(0, 1).float()).abs().max().item()
@@ -776,20 +785,9 @@ def peer_flashinfer_decode(fi, p, lengths, args, notes):
         try:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(FLASHINFER["workspace"], layout,
                                                             use_tensor_cores=tensor_cores)
-            first = key not in FLASHINFER["planned"]
-            t0 = time.perf_counter()
-            try:  # the first plan of a kernel loads (or JIT-builds) its module
-                wrapper.plan(kv_indptr, kv_indices, kv_last, hq, hkv, d, ps, pos_encoding_mode="NONE",
-                             q_data_type=dtype, kv_data_type=dtype)
-                torch.cuda.synchronize()
-            except Exception as e:
-                if first:
-                    FLASHINFER["failed"][key] = error_text(e)[:200]
-                raise
-            plan_s = time.perf_counter() - t0
-            if first:
-                FLASHINFER["planned"].add(key)
-                FLASHINFER["first_plan_s"]["hd%d_decode_%s" % (d, label)] = round(plan_s, 1)
+            plan_s = flashinfer_plan(key, "hd%d_decode_%s" % (d, label), lambda: wrapper.plan(
+                kv_indptr, kv_indices, kv_last, hq, hkv, d, ps, pos_encoding_mode="NONE",
+                q_data_type=dtype, kv_data_type=dtype))
 
             def call(x, wrapper=wrapper):
                 return wrapper.run(x[0], x[1], out=out)
@@ -1034,19 +1032,9 @@ def peer_flashinfer_plan(fi, sets, qo, kv, p, args):
     dev = [torch.tensor(x, device="cuda", dtype=torch.int32) for x in (prefix_sums(qo), indptr, ids, last)]
     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(FLASHINFER["workspace"], layout, backend=args.flashinfer_backend)
     first = key not in FLASHINFER["planned"]
-    t0 = time.perf_counter()
-    try:
-        wrapper.plan(dev[0], dev[1], dev[2], dev[3], hq, hkv, d, ps, causal=causal,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        torch.cuda.synchronize()
-    except Exception as e:
-        if first:
-            FLASHINFER["failed"][key] = error_text(e)[:200]
-        raise
-    plan_s = time.perf_counter() - t0
-    if first:
-        FLASHINFER["planned"].add(key)
-        FLASHINFER["first_plan_s"]["hd%d_paged_plan" % d] = round(plan_s, 1)
+    plan_s = flashinfer_plan(key, "hd%d_paged_plan" % d, lambda: wrapper.plan(
+        dev[0], dev[1], dev[2], dev[3], hq, hkv, d, ps, causal=causal,
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16))
 
     def call(x):
         return wrapper.run(x[0], x[1], out=out)
