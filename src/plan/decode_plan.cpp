@@ -263,14 +263,27 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
   };
   auto add = [&](int64_t count, int64_t tokens) {  // `count` items of `tokens` each
     while (count > 0) {
-      int64_t take = std::min<int64_t>(count, lockstep - batch_items);
-      if (placed < last_round) take = std::min(take, last_round - placed);
-      const double per_token = placed < last_round ? full_token : last_token;
-      batch_items += static_cast<int32_t>(take);
-      batch_cost = std::max(batch_cost, start + double(tokens) * per_token);
-      count -= take;
+      // The items at one cost: up to the last round's start, or all of them.
+      const bool last = placed >= last_round;
+      const double cost = start + double(tokens) * (last ? last_token : full_token);
+      int64_t take = last ? count : std::min(count, last_round - placed);
       placed += take;
-      if (batch_items == lockstep) flush();
+      count -= take;
+      if (batch_items > 0) {  // complete the batch being gathered
+        const int64_t fill = std::min<int64_t>(take, lockstep - batch_items);
+        batch_items += static_cast<int32_t>(fill);
+        batch_cost = std::max(batch_cost, cost);
+        take -= fill;
+        if (batch_items == lockstep) flush();
+      }
+      for (; take >= lockstep; take -= lockstep) {  // whole batches (no merge waits on them yet)
+        last_end = place(cost);
+        run_end = std::max(run_end, last_end);
+      }
+      if (take > 0) {
+        batch_items = static_cast<int32_t>(take);
+        batch_cost = cost;
+      }
     }
   };
   const size_t n_requests = sorted_len_.size();
@@ -363,13 +376,19 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
   {
     const double at_average = (average / rounds - policy_.cost.task_start_us) / per_token_us;
     double best_rung = 0;
-    for (int k : {0, 1, -1, 2, -2}) {
+    auto try_rung = [&](int k) {  // whether rung k became the best
       const double rung = at_average * std::exp2(k / 2.0);
       const int64_t before = best.chunk;
       const double before_us = best.makespan_us;
       consider(round_up(rung));
-      if (best.chunk != before || best.makespan_us != before_us) best_rung = rung;
-    }
+      const bool took = best.chunk != before || best.makespan_us != before_us;
+      if (took) best_rung = rung;
+      return took;
+    };
+    try_rung(0);
+    // Outwards only while a rung improves on the ones before it.
+    if (try_rung(1)) try_rung(2);
+    if (try_rung(-1)) try_rung(-2);
     if (best_rung > 0) {
       consider(round_up(best_rung * std::exp2(0.25)));
       consider(round_up(best_rung * std::exp2(-0.25)));
@@ -579,7 +598,10 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       for (int32_t h = 0; h < heads; ++h) plan_.merges.push_back({r, h, group_slot + h * groups, groups, -1, -1});
     }
     const int32_t slots = heads * (chunks + (groups > 1 ? groups : 0));
-    for (int32_t s = 0; s < slots; ++s) plan_.slot_row_offset.push_back(plan_.slot_row_offset.back() + rows);
+    const size_t at = plan_.slot_row_offset.size();
+    plan_.slot_row_offset.resize(at + slots);  // within the reserved capacity
+    int64_t* offsets = plan_.slot_row_offset.data() + at;
+    for (int32_t s = 0; s < slots; ++s) offsets[s] = offsets[s - 1] + rows;
     plan_.split_rows += heads;
   }
   plan_.work.data_ = work;
