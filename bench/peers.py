@@ -785,6 +785,7 @@ def peer_flashinfer_decode(fi, p, lengths, args, notes):
         try:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(FLASHINFER["workspace"], layout,
                                                             use_tensor_cores=tensor_cores)
+            first = key not in FLASHINFER["planned"]
             plan_s = flashinfer_plan(key, "hd%d_decode_%s" % (d, label), lambda: wrapper.plan(
                 kv_indptr, kv_indices, kv_last, hq, hkv, d, ps, pos_encoding_mode="NONE",
                 q_data_type=dtype, kv_data_type=dtype))
