@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine is missing to build tessera, and nothing it already has:
 #   - Debian packages: cmake, g++, make, ninja-build, GoogleTest/GoogleMock (libgtest-dev,
-#     libgmock-dev), python3-pip
+#     libgmock-dev), python3-pip, clang and libclang-rt-dev (the libFuzzer targets)
 #   - the pinned nvidia-cutlass package (CUTLASS/CuTe headers) into .deps/python
 #   - for the Python package (python/): the pinned build packages (scikit-build-core, nanobind) into
 #     .deps/pybuild and the pinned test packages (pytest, numpy) into .deps/pytest-<version>, for
@@ -15,6 +15,9 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
 command -v make >/dev/null || need_apt+=(make)
 command -v ninja >/dev/null || need_apt+=(ninja-build)  # pip's builds use it (else they fetch it)
+# The fuzz targets (tests/fuzz/) build with clang's libFuzzer: clang and its sanitizer runtimes.
+command -v clang++ >/dev/null || need_apt+=(clang)
+ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need_apt+=(libclang-rt-dev)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
 [ -f /usr/include/gmock/gmock.h ] || need_apt+=(libgmock-dev)
 python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)

@@ -86,6 +86,7 @@ namespace {
 
 void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   const PagedKVCache& c = a.cache;
+  check.kv_layout(c.layout, "cache.layout");
   check.tensor(c.k_pages, "k_pages", 4);
   check.tensor(c.v_pages, "v_pages", 4);
   detail::check_queries_and_outputs(check, a.q, a.o, a.lse, {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}});

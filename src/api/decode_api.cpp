@@ -29,6 +29,7 @@ void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
                   "the GQA group num_qo_heads / num_kv_heads = " +
                       std::to_string(c.num_qo_heads / c.num_kv_heads) + " exceeds " +
                       std::to_string(kMaxGroup));
+  check.kv_layout(c.layout, "layout");
   TESSERA_REQUIRE(check, c.dtype == DType::kBF16 || c.dtype == DType::kFP16, "dtype",
                   std::string("must be bf16 or fp16, got ") + dtype_name(c.dtype));
   TESSERA_REQUIRE(check, dispatch::decode_compiled(c.dtype, c.head_dim), "dtype",
@@ -140,7 +141,7 @@ struct BatchDecoder::Impl {
   DecodePlanInfo info;
 
   Impl(const DecodeConfig& c, const GpuShape& g)
-      : config(c), gpu(g), planner(capacity_for(c, g), split_policy()) {
+      : config(c), gpu(g), planner(capacity_for(c, g), split_policy(), "BatchDecoder") {
     if (c.ctas_per_sm != 0) {
       planner.pin_shape(c.ctas_per_sm == 1 ? plan::CtaShape::kOneCtaPerSm : plan::CtaShape::kDefault);
     }
@@ -154,7 +155,8 @@ struct BatchDecoder::Impl {
 std::size_t BatchDecoder::workspace_bytes(const DecodeConfig& config) {
   const detail::ArgCheck check("BatchDecoder::workspace_bytes");
   validate_config(check, config);
-  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config)), split_policy())
+  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config)), split_policy(),
+                             "BatchDecoder::workspace_bytes")
       .workspace_bytes();
 }
 
@@ -273,6 +275,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
                   "has " + std::to_string(q.size(0)) + " rows but the plan's qo_indptr ends at " +
                       std::to_string(im.total_q));
 
+  check.kv_layout(cache.layout, "cache.layout");
   check.tensor(cache.k_pages, "k_pages", 4);
   check.tensor(cache.v_pages, "v_pages", 4);
   check.dtype(cache.k_pages, "k_pages", {c.dtype});

@@ -81,6 +81,7 @@ void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
                      const TensorView& v_new, cudaStream_t stream,
                      const int32_t* host_append_indptr) {
   const detail::ArgCheck check("append_paged_kv");
+  check.kv_layout(cache.layout, "cache.layout");
   check.tensor(cache.k_pages, "k_pages", 4);
   check.tensor(cache.v_pages, "v_pages", 4);
   check.dtype(cache.k_pages, "k_pages", {DType::kBF16, DType::kFP16});

@@ -146,6 +146,28 @@ void ArgCheck::tensor(const TensorView& t, const char* arg, int rank, Device dev
   TESSERA_REQUIRE(*this, t.device == device, arg,
                          std::string("must be in ") + (device == Device::kCUDA ? "device" : "host") +
                              " memory");
+  // Every element at its natural alignment: a misaligned fp32 access faults the kernel, and the
+  // fault is sticky (it ruins the CUDA context).
+  const size_t element = dtype_size(t.dtype);
+  TESSERA_REQUIRE(*this, t.numel() == 0 || reinterpret_cast<uintptr_t>(t.data) % element == 0, arg,
+                  "data pointer is not aligned to its " + std::to_string(element) + "-byte elements");
+  // Its farthest element's byte offset fits in int64 (the kernels' address math is 64-bit).
+  if (t.numel() > 0) {
+    unsigned __int128 extent = 0;
+    for (int i = 0; i < t.rank; ++i) {
+      const int64_t stride = t.stride[i];
+      const unsigned __int128 magnitude = stride < 0 ? -static_cast<__int128>(stride) : stride;
+      extent += magnitude * static_cast<unsigned __int128>(t.shape[i] - 1);
+    }
+    extent = (extent + 1) * element;
+    TESSERA_REQUIRE(*this, extent <= static_cast<unsigned __int128>(INT64_MAX), arg,
+                    "shape " + shape_string(t) + " and its strides reach past 2^63 bytes");
+  }
+}
+
+void ArgCheck::kv_layout(KVLayout layout, const char* arg) const {
+  TESSERA_REQUIRE(*this, layout == KVLayout::kNHD || layout == KVLayout::kHND, arg,
+                  "layout must be NHD or HND, got the value " + std::to_string(static_cast<int>(layout)));
 }
 
 void ArgCheck::dtype(const TensorView& t, const char* arg,

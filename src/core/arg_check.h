@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tessera/error.h"
+#include "tessera/kv_cache.h"
 #include "tessera/tensor.h"
 
 // check: an ArgCheck; the message expression is evaluated only when `ok` is false.
@@ -50,6 +51,8 @@ class ArgCheck {
   // The strides of dims 0..2 of a 4-D page tensor fit in int32 (the kernels' per-row address
   // math uses 32-bit strides and 64-bit products).
   void page_strides_32bit(const TensorView& t, const char* arg) const;
+  // A paged cache's layout is one of the KVLayout values (an integer cast into the enum is not).
+  void kv_layout(KVLayout layout, const char* arg) const;
   // A 1-D int32 index array with stride 1.
   void index_array(const TensorView& t, const char* arg) const;
 

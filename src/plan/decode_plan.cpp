@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <cstring>
+#include <new>
 #include <numeric>
 #include <string>
 
@@ -13,13 +14,13 @@
 namespace tessera::plan {
 namespace {
 
-[[noreturn]] void fail(const char* arg, const std::string& rule) {
-  throw Error(std::string("tessera::DecodePlanner: argument '") + arg + "': " + rule);
-}
 
 // The one-CTA-per-SM plan may have a makespan up to 1/16 longer than the default plan's and still
 // be taken: it writes fewer partials and merges (b16 x 8K unsplit: +2%).
 constexpr double kOneCtaPerSmMargin = 17.0 / 16.0;
+
+// Requests per step at most: the plan's host buffers and work list stay below a few hundred MB.
+constexpr int32_t kMaxBatchSize = 1 << 20;
 
 // How far apart two estimates must be for the one with more chunks to be taken: the model's
 // makespans were within 2-5% of the measured ones (notes/decode_plan.md, "Cost model"); b9 x 8K
@@ -28,9 +29,20 @@ constexpr double kModelTolerance = 1.02;
 
 }  // namespace
 
-DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy)
-    : cap_(capacity), policy_(policy) {
-  if (cap_.max_batch_size < 1) fail("max_batch_size", "must be >= 1");
+void DecodePlanner::fail(const char* arg, const std::string& rule) const {
+  throw Error("tessera::" + entry_point_ + ": argument '" + arg + "': " + rule);
+}
+
+void DecodePlanner::fail_plan(const char* arg, const std::string& rule) const {
+  throw Error("tessera::" + entry_point_ + "::plan: argument '" + arg + "': " + rule);
+}
+
+DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy, const char* entry_point)
+    : cap_(capacity), policy_(policy), entry_point_(entry_point) {
+  if (cap_.max_batch_size < 1 || cap_.max_batch_size > kMaxBatchSize) {
+    fail("max_batch_size", "must be in 1.." + std::to_string(kMaxBatchSize) + ", got " +
+                               std::to_string(cap_.max_batch_size));
+  }
   if (cap_.max_qo_len < 1) fail("max_qo_len", "must be >= 1");
   if (cap_.num_kv_heads < 1 || cap_.num_qo_heads < 1 || cap_.num_qo_heads % cap_.num_kv_heads != 0) {
     fail("num_qo_heads", "must be a positive multiple of num_kv_heads (" +
@@ -88,6 +100,18 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   layout_.partial_lse = place(rows * sizeof(float));
   layout_.total = at;
 
+  // Host buffers for the largest step: a capacity too large for the host is an argument error,
+  // not std::bad_alloc.
+  try {
+    reserve_buffers();
+  } catch (const std::bad_alloc&) {
+    fail("max_batch_size", "a plan for " + std::to_string(cap_.max_batch_size) + " requests x " +
+                               std::to_string(cap_.num_kv_heads) + " KV heads needs more host memory than can be allocated");
+  }
+}
+
+void DecodePlanner::reserve_buffers() {
+  const int64_t wave = int64_t(cap_.num_sms) * cap_.ctas_per_sm;
   work_storage_.resize(max_work_);
   plan_.merges.reserve(max_merges_);
   plan_.requests.reserve(cap_.max_batch_size);
@@ -425,14 +449,14 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
                                 void* image) {
   const int32_t batch = kv.num_rows;
   if (batch > cap_.max_batch_size) {
-    fail("kv_indptr", "batch size " + std::to_string(batch) + " exceeds the planner's max_batch_size " +
+    fail_plan("kv_indptr", "batch size " + std::to_string(batch) + " exceeds the planner's max_batch_size " +
                           std::to_string(cap_.max_batch_size));
   }
-  if (qo_indptr == nullptr) fail("qo_indptr", "host copy is required");
+  if (qo_indptr == nullptr) fail_plan("qo_indptr", "host copy is required");
   const std::string bad = format::check_bsr(kv, -1);
-  if (!bad.empty()) fail("kv_indptr", bad);
+  if (!bad.empty()) fail_plan("kv_indptr", bad);
 
-  if (qo_indptr[0] != 0) fail("qo_indptr", "must start at 0, got " + std::to_string(qo_indptr[0]));
+  if (qo_indptr[0] != 0) fail_plan("qo_indptr", "must start at 0, got " + std::to_string(qo_indptr[0]));
   kv_len_.clear();
   first_key_.clear();
   has_query_.clear();
@@ -443,13 +467,13 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   for (int32_t r = 0; r < batch; ++r) {
     const int32_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
     if (qo_len < 0 || qo_len > cap_.max_qo_len) {
-      fail("qo_indptr", "request " + std::to_string(r) + " has " + std::to_string(qo_len) +
+      fail_plan("qo_indptr", "request " + std::to_string(r) + " has " + std::to_string(qo_len) +
                             " query tokens; the planner allows 0.." + std::to_string(cap_.max_qo_len) +
                             " (and qo_indptr must be non-decreasing)");
     }
     const int64_t tokens = kv.row_tokens(r);
     if (tokens > format::kMaxRowTokens) {
-      fail("kv_indptr", "request " + std::to_string(r) + " holds " + std::to_string(tokens) +
+      fail_plan("kv_indptr", "request " + std::to_string(r) + " holds " + std::to_string(tokens) +
                             " tokens; at most 2^31 - 2^16 are supported");
     }
     // A request with no query this step reads nothing: cost 0, no work item. With a sliding

@@ -42,6 +42,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "format/bsr.h"
@@ -220,7 +221,10 @@ struct WorkspaceLayout {
 
 class DecodePlanner {
  public:
-  explicit DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy = {});
+  // entry_point: the public entry that owns this planner, named by its errors
+  // ("tessera::BatchDecoder: argument 'max_batch_size': ...", "tessera::BatchDecoder::plan: ...").
+  explicit DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& policy = {},
+                         const char* entry_point = "DecodePlanner");
 
   // Plans one step. kv: the page table's BSR view (host); qo_indptr: host [batch + 1]. The result
   // stays valid until the next call. With `image` (host memory of at least layout().plan_bytes
@@ -276,8 +280,13 @@ class DecodePlanner {
   // The best chunk target for `wave` (see the file comment).
   Choice choose_chunk(const Wave& wave, int64_t longest) const;
 
+  [[noreturn]] void fail(const char* arg, const std::string& rule) const;
+  [[noreturn]] void fail_plan(const char* arg, const std::string& rule) const;
+  void reserve_buffers();
+
   PlanCapacity cap_;
   SplitPolicy policy_;
+  std::string entry_point_;
   int32_t group_ = 1;
   int32_t max_work_ = 0;
   int32_t max_slots_ = 0;

@@ -218,6 +218,19 @@ TEST(BadInputMerge, WrongDtypes) {
   expect_error([&] { s.run(); }, {"'o_a'", "dtype"});
 }
 
+// Element alignment, stride overflow and enum ranges: rules every entry point's views follow.
+TEST(BadInputViews, MisalignedElementsStrideOverflowAndLayoutValues) {
+  MergeProblem p;
+  p.s_a.data = fake((2 << 20) + 2);  // an fp32 LSE sliced at a 2-byte offset
+  expect_error([&] { p.run(); }, {"merge_state", "'s_a'", "aligned to its 4-byte elements"});
+  MergeProblem q;
+  q.o_b.stride[0] = int64_t(1) << 62;  // the farthest element lies past 2^63 bytes
+  expect_error([&] { q.run(); }, {"'o_b'", "past 2^63 bytes"});
+  AppendProblem a;
+  a.cache.layout = static_cast<KVLayout>(5);
+  expect_error([&] { a.run(); }, {"append_paged_kv", "'cache.layout'", "NHD or HND, got the value 5"});
+}
+
 TEST(BadInputMerge, MismatchedShapes) {
   MergeProblem p;
   p.o_b = TensorView::contiguous(fake(2 << 20), DType::kBF16, {16, 8, 128});

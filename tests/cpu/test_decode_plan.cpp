@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "common/decode_plan_check.h"
 #include "format/bsr.h"
 #include "plan/decode_plan.h"
 #include "tessera/error.h"
@@ -53,116 +54,10 @@ PlanCapacity h200_decode(int32_t max_batch, int32_t max_qo_len = 1) {
   return c;
 }
 
-// Every (request, head) is covered once: [first visible key, kv_len) in ascending chunks of at
-// most chunk_tokens, equal and granule-aligned but for the last; a split pair's chunk partials
-// reach exactly one root merge row (writing O) through at most one level of group merges, every
-// slot of a merge row being one chunk's partial or one group's output; the plan stays inside the
-// workspace bounds.
+// The plan keeps every rule of the shared checker (tests/common/decode_plan_check.h).
 void check_plan(const Plan& plan, const Batch& b, const PlanCapacity& cap, const DecodePlanner& planner,
                 int32_t granularity = 16) {
-  const int32_t batch = static_cast<int32_t>(b.last.size());
-  const int32_t group = cap.num_qo_heads / cap.num_kv_heads;
-  const int32_t heads = cap.num_kv_heads;
-  const format::BsrLayout kv = b.bsr();
-  const int64_t granule = std::lcm<int64_t>(b.page_size, granularity);
-  const std::vector<Task> tasks = plan.tasks();
-  ASSERT_EQ(static_cast<int32_t>(tasks.size()), plan.num_tasks);
-  ASSERT_EQ(plan.num_tasks, static_cast<int32_t>(plan.work.size()) * heads);
-  ASSERT_LE(plan.num_tasks, planner.max_work_items());
-  ASSERT_LE(plan.num_slots(), planner.max_slots());
-  ASSERT_LE(static_cast<int32_t>(plan.merges.size()), planner.max_merges());
-  ASSERT_LE(plan.partial_rows(), planner.max_partial_rows());
-  // Who fills each slot: a chunk task or a group merge row (exactly one of them).
-  std::vector<int32_t> slot_writers(plan.num_slots(), 0);
-  std::vector<int32_t> children(plan.merges.size(), 0);  // slots of a merge row filled so far
-  for (size_t m = 0; m < plan.merges.size(); ++m) {
-    const MergeRow& row = plan.merges[m];
-    ASSERT_GE(row.num_slots, 2) << "merge row " << m << " merges fewer than two partials";
-    ASSERT_LE(row.first_slot + row.num_slots, plan.num_slots());
-    if (row.target_slot >= 0) {
-      ASSERT_LT(row.target_slot, plan.num_slots());
-      ASSERT_GE(row.parent, 0);
-      ASSERT_LT(static_cast<size_t>(row.parent), plan.merges.size());
-      const MergeRow& up = plan.merges[row.parent];
-      EXPECT_EQ(up.target_slot, -1) << "at most two merge levels";
-      EXPECT_EQ(up.request, row.request);
-      EXPECT_EQ(up.kv_head, row.kv_head);
-      EXPECT_GE(row.target_slot, up.first_slot);
-      EXPECT_LT(row.target_slot, up.first_slot + up.num_slots);
-      ++slot_writers[row.target_slot];
-      ++children[row.parent];
-    } else {
-      EXPECT_EQ(row.parent, -1);
-    }
-  }
-  std::vector<std::vector<const Task*>> items(size_t(batch) * heads);
-  for (const Task& w : tasks) items[size_t(w.request) * heads + w.kv_head].push_back(&w);
-  std::vector<int32_t> roots_seen(plan.merges.size(), 0);
-  for (int32_t r = 0; r < batch; ++r) {
-    const int64_t qo_len = b.qo_indptr[r + 1] - b.qo_indptr[r];
-    const int64_t rows = qo_len * group;
-    for (int32_t h = 0; h < heads; ++h) {
-      auto list = items[size_t(r) * heads + h];
-      if (qo_len == 0) {
-        EXPECT_TRUE(list.empty()) << "request " << r << " has no query but got work";
-        continue;
-      }
-      ASSERT_FALSE(list.empty()) << "request " << r << " head " << h << " has no work";
-      std::sort(list.begin(), list.end(), [](const Task* x, const Task* y) { return x->kv_begin < y->kv_begin; });
-      const int64_t first_key =
-          cap.window_left >= 0 ? std::max<int64_t>(0, kv.row_tokens(r) - qo_len - cap.window_left) : 0;
-      int64_t pos = first_key;
-      for (size_t i = 0; i < list.size(); ++i) {
-        const Task* w = list[i];
-        EXPECT_EQ(w->kv_begin, pos) << "request " << r << ": chunks must be contiguous";
-        EXPECT_GE(w->kv_end, w->kv_begin);
-        if (list.size() > 1) {
-          EXPECT_LE(w->kv_end - w->kv_begin, plan.chunk_tokens);
-          EXPECT_EQ((w->kv_begin - first_key) % granule, 0) << "chunks start on a granule";
-          if (i + 1 < list.size()) EXPECT_EQ(w->kv_end - w->kv_begin, list[0]->kv_end - list[0]->kv_begin);
-        }
-        pos = w->kv_end;
-      }
-      EXPECT_EQ(pos, kv.row_tokens(r)) << "request " << r << ": chunks must end at kv_len";
-      if (list.size() == 1) {
-        EXPECT_EQ(list[0]->partial_slot, -1) << "an unsplit request writes its output directly";
-        EXPECT_EQ(list[0]->merge, -1);
-        continue;
-      }
-      int32_t root = -1;
-      for (const Task* w : list) {
-        ASSERT_GE(w->partial_slot, 0);
-        ASSERT_LT(w->partial_slot, plan.num_slots());
-        ++slot_writers[w->partial_slot];
-        ASSERT_GE(w->merge, 0);
-        ASSERT_LT(static_cast<size_t>(w->merge), plan.merges.size());
-        const MergeRow& m = plan.merges[w->merge];
-        EXPECT_EQ(m.request, r);
-        EXPECT_EQ(m.kv_head, h);
-        EXPECT_GE(w->partial_slot, m.first_slot);
-        EXPECT_LT(w->partial_slot, m.first_slot + m.num_slots);
-        ++children[w->merge];
-        const int32_t top = m.parent >= 0 ? m.parent : w->merge;
-        if (root < 0) root = top;
-        EXPECT_EQ(top, root) << "request " << r << " head " << h << ": one root merge";
-      }
-      ++roots_seen[root];
-      const MergeRow& m = plan.merges[root];
-      for (int32_t s = m.first_slot; s < m.first_slot + m.num_slots; ++s) {
-        EXPECT_EQ(plan.slot_row_offset[s + 1] - plan.slot_row_offset[s], rows) << "slot rows";
-      }
-    }
-  }
-  for (int32_t s = 0; s < plan.num_slots(); ++s) EXPECT_EQ(slot_writers[s], 1) << "slot " << s;
-  int32_t roots = 0;
-  for (size_t m = 0; m < plan.merges.size(); ++m) {
-    EXPECT_EQ(children[m], plan.merges[m].num_slots) << "merge row " << m << " waits for slots nobody fills";
-    if (plan.merges[m].target_slot < 0) {
-      EXPECT_EQ(roots_seen[m], 1) << "root merge row " << m;
-      ++roots;
-    }
-  }
-  EXPECT_EQ(roots, plan.split_rows);
+  EXPECT_EQ(testing_support::check_decode_plan(plan, b.bsr(), b.qo_indptr.data(), cap, planner, granularity), "");
 }
 
 // The tests' own model of a plan's run (not the planner's estimate): tasks in launch order onto
@@ -606,6 +501,46 @@ TEST(DecodePlan, CapacityAndInputErrors) {
   PlanCapacity gqa = h200_decode(4);
   gqa.num_kv_heads = 5;
   EXPECT_THROW(DecodePlanner{gqa}, Error);
+}
+
+TEST(DecodePlan, ErrorsNameTheOwningEntryPoint) {
+  PlanCapacity cap = h200_decode(4);
+  DecodePlanner planner(cap, {}, "BatchDecoder");
+  Batch big(16, {10, 10, 10, 10, 10});
+  try {
+    planner.plan(big.bsr(), big.qo_indptr.data());
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("tessera::BatchDecoder::plan: argument 'kv_indptr'"));
+  }
+  cap.max_batch_size = (1 << 20) + 1;  // past the planner's limit: an argument error, no bad_alloc
+  try {
+    DecodePlanner huge(cap, {}, "BatchDecoder");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("tessera::BatchDecoder: argument 'max_batch_size'"));
+  }
+}
+
+// The shared plan checker is not vacuous: plans broken on purpose fail it.
+TEST(DecodePlan, CheckerCatchesBrokenPlans) {
+  const PlanCapacity cap = h200_decode(8);
+  DecodePlanner planner(cap);
+  Batch b(16, {40000, 300, 7});
+  const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+  ASSERT_EQ(testing_support::check_decode_plan(plan, b.bsr(), b.qo_indptr.data(), cap, planner), "");
+  ASSERT_FALSE(plan.merges.empty());
+  Plan broken = plan;
+  broken.merges[0].num_slots -= 1;
+  EXPECT_NE(testing_support::check_decode_plan(broken, b.bsr(), b.qo_indptr.data(), cap, planner), "");
+  broken = plan;
+  broken.slot_row_offset.back() += 1;
+  EXPECT_NE(testing_support::check_decode_plan(broken, b.bsr(), b.qo_indptr.data(), cap, planner), "");
+  broken = plan;
+  broken.split_rows += 1;
+  EXPECT_NE(testing_support::check_decode_plan(broken, b.bsr(), b.qo_indptr.data(), cap, planner), "");
+  Batch longer(16, {40016, 300, 7});  // the same plan no longer covers the first request's keys
+  EXPECT_NE(testing_support::check_decode_plan(plan, longer.bsr(), longer.qo_indptr.data(), cap, planner), "");
 }
 
 TEST(BsrLayout, PageTableViewAndChecks) {
