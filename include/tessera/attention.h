@@ -24,7 +24,9 @@ const char* attention_path_name(AttentionPath path);
 //   o [total_q, num_qo_heads, head_dim] has q's dtype; lse [total_q, num_qo_heads] fp32 (natural
 //   log) is optional (leave it an empty TensorView).
 // The index arrays are device int32 tensors; host copies are required too (the launch is sized
-// from them, as a serving engine's planner would) and are checked.
+// from them, as a serving engine's planner would) and are checked. q, o and lse may hold more
+// rows than qo_indptr[batch] (fixed-size buffers, e.g. for CUDA graphs): rows past it are neither
+// read nor written. Outputs must not overlap any input, index arrays included.
 struct PrefillArgs {
   TensorView q, k, v;
   TensorView qo_indptr, kv_indptr;

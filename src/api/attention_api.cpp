@@ -21,7 +21,9 @@ namespace {
 void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   check.tensor(a.k, "k", 3);
   check.tensor(a.v, "v", 3);
-  detail::check_queries_and_outputs(check, a.q, a.o, a.lse, {{&a.k, "k"}, {&a.v, "v"}});
+  // The outputs overlap no input: neither K / V nor the index arrays the kernel reads.
+  detail::check_queries_and_outputs(check, a.q, a.o, a.lse,
+                                    {{&a.k, "k"}, {&a.v, "v"}, {&a.qo_indptr, "qo_indptr"}, {&a.kv_indptr, "kv_indptr"}});
   check.dtype(a.k, "k", {a.q.dtype});
   check.dtype(a.v, "v", {a.q.dtype});
   check.same_shape(a.k, "k", a.v, "v");
@@ -89,7 +91,10 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   check.kv_layout(c.layout, "cache.layout");
   check.tensor(c.k_pages, "k_pages", 4);
   check.tensor(c.v_pages, "v_pages", 4);
-  detail::check_queries_and_outputs(check, a.q, a.o, a.lse, {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}});
+  detail::check_queries_and_outputs(check, a.q, a.o, a.lse,
+                                    {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}, {&a.qo_indptr, "qo_indptr"},
+                                     {&a.table.indptr, "kv_indptr"}, {&a.table.indices, "kv_indices"},
+                                     {&a.table.last_page_len, "kv_last_page_len"}});
   check.dtype(c.k_pages, "k_pages", {a.q.dtype});
   check.dtype(c.v_pages, "v_pages", {a.q.dtype});
   check.same_shape(c.k_pages, "k_pages", c.v_pages, "v_pages");

@@ -307,8 +307,13 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
                   "has " + std::to_string(table.indices.size(0)) + " entries but the plan's page table uses " +
                       std::to_string(im.total_pages));
 
+  // The outputs overlap no input: not the pages, not the page ids, not this decoder's workspace
+  // (its plan and partial states).
+  const TensorView workspace_view = TensorView::contiguous(
+      im.workspace, DType::kInt32, {static_cast<int64_t>(im.planner.workspace_bytes() / 4)});
   detail::check_queries_and_outputs(check, q, o, lse,
-                                    {{&cache.k_pages, "k_pages"}, {&cache.v_pages, "v_pages"}});
+                                    {{&cache.k_pages, "k_pages"}, {&cache.v_pages, "v_pages"},
+                                     {&table.indices, "kv_indices"}, {&workspace_view, "workspace"}});
   int device = 0;
   TESSERA_CUDA_CHECK(cudaGetDevice(&device));
   TESSERA_REQUIRE(check, device == im.device, "stream",

@@ -106,10 +106,15 @@ void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
   check.same_shape(k_new, "k_new", v_new, "v_new");
   check.vectorizable_rows(k_new, "k_new");
   check.vectorizable_rows(v_new, "v_new");
+  // The pages (the outputs) overlap no input: not the new rows, not the index arrays read.
   for (const TensorView* page : {&cache.k_pages, &cache.v_pages}) {
     const char* name = page == &cache.k_pages ? "k_pages" : "v_pages";
     check.disjoint(*page, name, k_new, "k_new");
     check.disjoint(*page, name, v_new, "v_new");
+    check.disjoint(*page, name, table.indptr, "kv_indptr");
+    check.disjoint(*page, name, table.indices, "kv_indices");
+    check.disjoint(*page, name, table.last_page_len, "kv_last_page_len");
+    check.disjoint(*page, name, append_indptr, "append_indptr");
   }
 
   check.index_array(table.indptr, "kv_indptr");

@@ -326,6 +326,21 @@ struct PrefillProblem {
   }
 };
 
+// An output must not overlap an index array the kernel reads (it could overwrite the offsets or
+// page ids it is about to use).
+TEST(BadInputPrefill, OutputsOverlappingIndexArrays) {
+  PrefillProblem p;
+  p.a.qo_indptr = TensorView::contiguous(fake((3 << 20) + 64), DType::kInt32, {3});  // inside o
+  expect_error([&] { p.run(); }, {"batch_prefill", "'o'", "must not overlap 'qo_indptr'"});
+  PrefillProblem q;
+  q.a.lse = TensorView::contiguous(fake(6 << 20), DType::kFP32, {9, 8});
+  q.a.kv_indptr = TensorView::contiguous(fake((6 << 20) + 8), DType::kInt32, {3});  // inside lse
+  expect_error([&] { q.run(); }, {"'lse'", "must not overlap 'kv_indptr'"});
+  AppendProblem a;
+  a.table.indices = TensorView::contiguous(fake(1 << 20), DType::kInt32, {3});  // v_pages' first bytes
+  expect_error([&] { a.run(); }, {"append_paged_kv", "'v_pages'", "must not overlap 'kv_indices'"});
+}
+
 TEST(BadInputPrefill, GqaGroupNotAMultiple) {
   PrefillProblem p;
   p.a.k = TensorView::contiguous(fake(1 << 20), DType::kBF16, {20, 3, 128});

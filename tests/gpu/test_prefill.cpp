@@ -339,6 +339,56 @@ std::string hopper_unavailable(DType dtype, int head_dim) {
 
 // Every scheduler x tile order on ragged batches of more tiles than SMs (persistent CTAs walk
 // several tiles, with the K / V rings running across them), causal, windowed and plain.
+// q / o / lse may hold more rows than qo_indptr's last entry (fixed-size buffers, as CUDA-graph
+// users keep them): the rows past it are neither read nor written, on every family.
+TEST(GpuPrefill, RowsPastTheLastRequestAreNotWritten) {
+  TESSERA_REQUIRE_GPU();
+  const auto dims = dispatch::compiled_prefill_head_dims();
+  if (std::find(dims.begin(), dims.end(), 128) == dims.end() || !dispatch::prefill_dtype_compiled(DType::kBF16)) {
+    GTEST_SKIP() << "hd128 bf16 not compiled in this build";
+  }
+  std::mt19937 rng(77);
+  const std::vector<int32_t> qo_indptr{0, 97, 300}, kv_indptr{0, 97, 700};
+  const int64_t used_rows = 300, rows = used_rows + 37, heads = 8, kv_heads = 2, d = 128;
+  Ragged16 q(rows, heads, d, 0, 0, DType::kBF16, rng, 1.f);
+  Ragged16 k(kv_indptr.back(), kv_heads, d, 0, 0, DType::kBF16, rng, 1.f);
+  Ragged16 v(kv_indptr.back(), kv_heads, d, 0, 0, DType::kBF16, rng, 1.f);
+  DeviceBuffer o(rows * heads * d * 2), lse(rows * heads * 4), d_qo(12), d_kv(12);
+  d_qo.upload(qo_indptr);
+  d_kv.upload(kv_indptr);
+  PrefillArgs a;
+  a.q = q.view(DType::kBF16);
+  a.k = k.view(DType::kBF16);
+  a.v = v.view(DType::kBF16);
+  a.o = TensorView::contiguous(o.get(), DType::kBF16, {rows, heads, d});
+  a.lse = TensorView::contiguous(lse.get(), DType::kFP32, {rows, heads});
+  a.qo_indptr = TensorView::contiguous(d_qo.get(), DType::kInt32, {3});
+  a.kv_indptr = TensorView::contiguous(d_kv.get(), DType::kInt32, {3});
+  a.host_qo_indptr = qo_indptr.data();
+  a.host_kv_indptr = kv_indptr.data();
+  a.causal = true;
+  for (AttentionPath path : paths_to_test(AttentionPath::kAuto, DType::kBF16, 128)) {
+    SCOPED_TRACE(std::string("path ") + attention_path_name(path));
+    a.path = path;
+    o.poison();
+    lse.poison();
+    batch_prefill(a, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto o_bits = o.download<uint16_t>(size_t(rows * heads * d));
+    const auto lse_bits = lse.download<uint32_t>(size_t(rows * heads));
+    int64_t written_past = 0, unwritten_before = 0;
+    for (int64_t i = 0; i < rows * heads * d; ++i) {
+      const bool poisoned = o_bits[i] == kPoison16;
+      if (i / (heads * d) >= used_rows) written_past += !poisoned; else unwritten_before += poisoned;
+    }
+    uint32_t lse_poison;
+    std::memset(&lse_poison, 0xff, 4);
+    for (int64_t i = used_rows * heads; i < rows * heads; ++i) written_past += lse_bits[i] != lse_poison;
+    EXPECT_EQ(written_past, 0) << "rows past qo_indptr's last entry were written";
+    EXPECT_EQ(unwritten_before, 0) << "rows of the requests were left unwritten";
+  }
+}
+
 TEST(GpuPrefillHopper, EverySchedule) {
   TESSERA_REQUIRE_GPU();
   uint32_t seed = 500;
