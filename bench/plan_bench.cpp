@@ -107,5 +107,21 @@ int main(int argc, char** argv) {
   run("b1024_zipf_p16", zipf1024, 16, iterations);
   run("b1024_zipf_h1_p16", zipf1024, 16, iterations, 1);
   run("b1024_kv2048_p16", std::vector<int64_t>(1024, 2048), 16, iterations);
+  // The page-id range scan BatchDecoder::plan does by default (num_pages not given).
+  for (const int64_t pages : {32768, 262144}) {
+    const PageTable t = make({pages * 16}, 16);
+    const auto bsr = format::bsr_from_page_table(16, 1, t.indptr.data(), t.indices.data(), t.last.data());
+    std::vector<double> us(iterations);
+    int64_t sink = 0;
+    for (int i = 0; i < iterations; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      sink += format::block_id_range(bsr).max;
+      us[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::nth_element(us.begin(), us.begin() + iterations / 2, us.end());
+    std::printf("{\"suite\": \"plan\", \"case\": \"page_id_range_%lld\", \"metric\": \"us\", \"tessera\": %.3f, "
+                "\"pages\": %lld, \"sink\": %lld}\n",
+                static_cast<long long>(pages), us[iterations / 2], static_cast<long long>(pages), static_cast<long long>(sink));
+  }
   return 0;
 }

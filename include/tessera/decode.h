@@ -20,8 +20,8 @@
 // (sized from the config at construction) and run()'s launches have fixed grids, so a run()
 // captured once replays correctly for any later step, provided plan() is called (outside the
 // graph) before each replay and the tensors given to the captured run() keep their addresses.
-// A replay checks nothing, so once a run() was captured, plan() requires num_pages (every page id
-// is checked) and rejects steps with more query rows, page-table entries or pages than the
+// A replay checks nothing, so once a run() was captured, plan() requires num_pages >= 0 (every page
+// id is checked) and rejects steps with more query rows, page-table entries or pages than the
 // captured buffers hold.
 //
 // Ordering: plan() and run() of one decoder share its workspace: issue them on one stream (or
@@ -106,12 +106,14 @@ class BatchDecoder {
   BatchDecoder& operator=(const BatchDecoder&) = delete;
 
   // Once per step, on the host: reads host_qo_indptr ([batch + 1]) and the page table's host
-  // copies (table.host_indptr, host_indices, host_last_page_len are required and checked). With
-  // num_pages >= 0 every page id is also checked to lie in [0, num_pages) and run() then requires
-  // a cache of at least num_pages pages; that check is O(pages) (about 15 us at 32K pages), so an
-  // engine whose allocator already guarantees its ids may pass -1. Balances the work and copies
-  // the plan into the workspace with one cudaMemcpyAsync on `stream`. Waits (on the host) only for
-  // the previous plan's copy to have left the staging buffer.
+  // copies (table.host_indptr, host_indices, host_last_page_len are required and checked). Page
+  // ids are checked by default: with num_pages >= 0 each id against [0, num_pages) here (and run()
+  // then requires a cache of at least num_pages pages); with -1 (the default) plan() takes the
+  // ids' range in one pass (~3 us at 32K pages) and run() checks it against the cache it gets; an
+  // engine whose allocator guarantees its ids may opt out with kSkipPageIdCheck. Balances the work
+  // and copies the plan into the workspace with one cudaMemcpyAsync on `stream`. Waits (on the
+  // host) only for the previous plan's copy to have left the staging buffer.
+  static constexpr int64_t kSkipPageIdCheck = -2;
   void plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream,
             int64_t num_pages = -1);
 

@@ -126,7 +126,8 @@ class BatchDecoder:
         (copied to the host once, which synchronizes the stream). The planner runs on the host and
         its result is copied into the workspace with one asynchronous copy on `stream` (default:
         PyTorch's current stream when torch is imported). num_pages: the cache's page count, to
-        check every page id against (required once a run() was captured into a CUDA graph).
+        check every page id against here (required once a run() was captured into a CUDA graph);
+        without it the ids are checked against the cache that run() is given.
         """
         torch = T.torch_module()
         if stream is not None and torch is not None and T.is_torch(self._workspace):

@@ -1,5 +1,7 @@
 #include "format/bsr.h"
 
+#include <algorithm>
+
 namespace tessera::format {
 
 std::string check_bsr(const BsrLayout& b, int64_t num_blocks) {
@@ -37,6 +39,22 @@ BsrError split_bsr_error(const std::string& message) {
     return {message.substr(0, colon), message.substr(colon + 2)};
   }
   return {"kv_indptr", message};
+}
+
+// Compiled for AVX2 as well as the baseline, picked at load time: x86-64's baseline (SSE2) has no
+// 32-bit min / max, and the emulation ran at 0.4-0.6 ns per id.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+BlockIdRange block_id_range(const BsrLayout& b) {
+  const int64_t n = b.num_rows > 0 ? b.indptr[b.num_rows] : 0;
+  if (n <= 0) return {};
+  int32_t lo = b.indices[0], hi = b.indices[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, b.indices[i]);
+    hi = std::max(hi, b.indices[i]);
+  }
+  return {lo, hi};
 }
 
 }  // namespace tessera::format

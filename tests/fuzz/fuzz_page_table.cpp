@@ -4,6 +4,7 @@
 // with pages; page ids in [0, num_pages) when num_pages is given (-1 leaves them unchecked); rows
 // within kMaxRowTokens.
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -42,6 +43,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // check_bsr reads indices[indptr[r] .. indptr[r+1]) only once indptr has been checked; a table
   // whose indptr end exceeds the entries given is not a valid input (the caller owns that array).
   if (indptr[rows] > entries) return 0;
+  // The id range BatchDecoder::run checks against (vectorised) equals a plain scan.
+  if (rows > 0 && indptr[rows] >= 0 && std::is_sorted(indptr.begin(), indptr.end())) {
+    const format::BlockIdRange range = format::block_id_range(b);
+    int32_t lo = 0, hi = -1;
+    for (int32_t i = 0; i < indptr[rows]; ++i) {
+      lo = i == 0 ? indices[i] : std::min(lo, indices[i]);
+      hi = i == 0 ? indices[i] : std::max(hi, indices[i]);
+    }
+    if (range.min != lo || range.max != hi) finding("block id range", indptr[rows]);
+  }
   const std::string bad = format::check_bsr(b, num_pages);
   if (!bad.empty()) {
     (void)format::split_bsr_error(bad);

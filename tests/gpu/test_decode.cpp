@@ -978,6 +978,18 @@ TEST(GpuDecodeBadInput, PlanArgumentsAreValidated) {
     expect_error([&] { decoder.plan(p.qo_indptr.data(), t, nullptr, p.kv.num_pages); },
                  {"kv_indices", "page id " + std::to_string(bad_id)});
   }
+  // Safe by default: planned without num_pages, the same bad ids are refused by run(), before
+  // any launch, against the cache it is given; kSkipPageIdCheck opts out (not run here).
+  for (int32_t bad_id : {int32_t(p.kv.num_pages), -1}) {
+    std::vector<int32_t> indices = p.kv.indices;
+    indices[1] = bad_id;
+    PageTable t = p.table();
+    t.host_indices = indices.data();
+    decoder.plan(p.qo_indptr.data(), t, nullptr);
+    expect_error([&] { p.run(decoder); }, {"BatchDecoder::run", "kv_indices", "page ids", "the cache holds"});
+  }
+  decoder.plan(p.qo_indptr.data(), p.table(), nullptr, BatchDecoder::kSkipPageIdCheck);
+  expect_error([&] { decoder.plan(p.qo_indptr.data(), p.table(), nullptr, -3); }, {"num_pages", "kSkipPageIdCheck"});
   std::vector<int32_t> last = p.kv.last_page_len;
   last[0] = c.kv.page_size + 1;
   PageTable bad_last = p.table();
