@@ -457,11 +457,14 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   if (!bad.empty()) fail_plan("kv_indptr", bad);
 
   if (qo_indptr[0] != 0) fail_plan("qo_indptr", "must start at 0, got " + std::to_string(qo_indptr[0]));
-  kv_len_.clear();
-  first_key_.clear();
-  has_query_.clear();
-  rows_.assign(batch, 0);
-  plan_.requests.clear();
+  // Per-request arrays written in place (within the reserved capacity): push_back per request
+  // was a fifth of the planner's instructions at 1024 requests.
+  kv_len_.resize(batch);
+  first_key_.resize(batch);
+  has_query_.resize(batch);
+  rows_.resize(batch);
+  plan_.requests.resize(batch);
+  keys_.resize(batch);
   int64_t longest = 0;
   int64_t with_query = 0;
   for (int32_t r = 0; r < batch; ++r) {
@@ -481,34 +484,33 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     // kernel masks per row inside it), so only those are planned and read.
     const int64_t first_key =
         cap_.window_left >= 0 ? std::max<int64_t>(0, tokens - qo_len - cap_.window_left) : 0;
-    first_key_.push_back(static_cast<int32_t>(first_key));
-    kv_len_.push_back(qo_len == 0 ? 0 : tokens - first_key);
-    has_query_.push_back(qo_len > 0);
+    const int64_t len = qo_len == 0 ? 0 : tokens - first_key;
+    first_key_[r] = static_cast<int32_t>(first_key);
+    kv_len_[r] = len;
+    has_query_[r] = qo_len > 0;
+    rows_[r] = qo_len * group_;
     with_query += qo_len > 0;
-    plan_.requests.push_back({qo_indptr[r], qo_len, static_cast<int32_t>(tokens), kv.indptr[r]});
-    longest = std::max(longest, kv_len_.back());
-  }
-
-  for (int32_t r = 0; r < batch; ++r) rows_[r] = plan_.requests[r].qo_len * group_;
-
-  // Longest first; ties by request id. One packed key per request keeps the sort to plain
-  // integer compares (kv_len < 2^31 tokens).
-  keys_.clear();
-  for (int32_t r = 0; r < batch; ++r) {
-    keys_.push_back((int64_t(INT32_MAX) - kv_len_[r]) << 32 | r);
+    plan_.requests[r] = {qo_indptr[r], qo_len, static_cast<int32_t>(tokens), kv.indptr[r]};
+    // Longest first; ties by request id. One packed key per request keeps the sort to plain
+    // integer compares (kv_len < 2^31 tokens).
+    keys_[r] = (int64_t(INT32_MAX) - len) << 32 | r;
+    longest = std::max(longest, len);
   }
   if (!std::is_sorted(keys_.begin(), keys_.end())) std::sort(keys_.begin(), keys_.end());
   // The requests with a query in that order, their lengths, rows and length prefix sums: what
   // the cost model reads (the short tail as a sum).
-  sorted_len_.clear();
-  sorted_rows_.clear();
-  prefix_len_.assign(1, 0);
+  sorted_len_.resize(with_query);
+  sorted_rows_.resize(with_query);
+  prefix_len_.resize(with_query + 1);
+  prefix_len_[0] = 0;
+  int64_t at = 0;
   for (int64_t key : keys_) {
     const int32_t r = static_cast<int32_t>(key & 0xffffffff);
     if (!has_query_[r]) continue;
-    sorted_len_.push_back(kv_len_[r]);
-    sorted_rows_.push_back(rows_[r]);
-    prefix_len_.push_back(prefix_len_.back() + kv_len_[r]);
+    sorted_len_[at] = kv_len_[r];
+    sorted_rows_[at] = rows_[r];
+    prefix_len_[at + 1] = prefix_len_[at] + kv_len_[r];
+    ++at;
   }
   num_with_query_ = static_cast<int64_t>(sorted_len_.size());
   len_total_ = prefix_len_.back();
