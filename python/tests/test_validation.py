@@ -275,7 +275,7 @@ def test_merge_rules(dev):
     expect_error(lambda: tessera.merge_state(o_a, s_a, o_b, s_b, out=o_a, s_out=s_out), "merge_state",
                  "o_out", "must not overlap 'o_a'")
     expect_error(lambda: tessera.merge_state_in_place(o_a, s_a, o_b, dev.randn((5, 3, 1), "fp32")),
-                 "merge_state_in_place", "s_b", "must have rank 2")  # the library names in place's inputs a / b
+                 "merge_state_in_place", "s_other", "must have rank 2")
     parts, s_parts = dev.randn((5, 4, 3, 64), "fp32"), dev.randn((5, 4, 3), "fp32")
     expect_gpu_stage(lambda: tessera.merge_states(parts, s_parts, out=out, s_out=s_out))
     expect_error(lambda: tessera.merge_states(parts, s_parts, out=dev.full((5, 3, 64), 0, "fp32")[:, :2], s_out=s_out),

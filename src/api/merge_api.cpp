@@ -11,11 +11,12 @@ namespace tessera {
 namespace {
 
 // The output dtype allowed for input states of `in`.
-void check_out_dtype(const detail::ArgCheck& check, DType in, const TensorView& o_out) {
+void check_out_dtype(const detail::ArgCheck& check, DType in, const TensorView& o_out,
+                     const char* o_out_name = "o_out") {
   if (in == DType::kFP32) {
-    check.dtype(o_out, "o_out", {DType::kFP32, DType::kBF16, DType::kFP16});
+    check.dtype(o_out, o_out_name, {DType::kFP32, DType::kBF16, DType::kFP16});
   } else {
-    check.dtype(o_out, "o_out", {in});
+    check.dtype(o_out, o_out_name, {in});
   }
 }
 
@@ -41,9 +42,9 @@ void check_head_dim(const detail::ArgCheck& check, const TensorView& o, const ch
                   "head_dim must be one of 8, 16, 32, 64, 128, 256, got " + std::to_string(d));
 }
 
-void check_size(const detail::ArgCheck& check, const TensorView& o_out) {
+void check_size(const detail::ArgCheck& check, const TensorView& o_out, const char* o_out_name = "o_out") {
   // The kernel's grid-stride loop runs in int32: keep the last stride step below 2^31 too.
-  TESSERA_REQUIRE(check, o_out.numel() / 8 < (int64_t(1) << 31) - (int64_t(1) << 24), "o_out",
+  TESSERA_REQUIRE(check, o_out.numel() / 8 < (int64_t(1) << 31) - (int64_t(1) << 24), o_out_name,
                   "too many elements for one call");
 }
 
@@ -65,41 +66,50 @@ void fill_output(kernels::MergeStatesParams& p, const TensorView& o_out, const T
 // are exactly (o_a, s_a).
 void check_outputs(const detail::ArgCheck& check, const TensorView& o_out, const TensorView& s_out,
                    std::initializer_list<std::pair<const TensorView*, const char*>> inputs,
-                   bool in_place) {
-  check.output_layout(o_out, "o_out");
+                   bool in_place, const char* o_out_name = "o_out", const char* s_out_name = "s_out") {
+  check.output_layout(o_out, o_out_name);
   if (!s_out.empty_view()) {
-    check.output_layout(s_out, "s_out");
-    check.disjoint(s_out, "s_out", o_out, "o_out");
+    check.output_layout(s_out, s_out_name);
+    check.disjoint(s_out, s_out_name, o_out, o_out_name);
   }
   int index = 0;  // in place, inputs[0] and [1] are (o_a, s_a), the outputs themselves
   for (auto [in, name] : inputs) {
     if (in_place && index++ < 2) continue;
-    check.disjoint(o_out, "o_out", *in, name);
-    if (!s_out.empty_view()) check.disjoint(s_out, "s_out", *in, name);
+    check.disjoint(o_out, o_out_name, *in, name);
+    if (!s_out.empty_view()) check.disjoint(s_out, s_out_name, *in, name);
   }
 }
+
+// The argument names errors use: the out-of-place merge's, or the in-place one's (whose output
+// is its first state).
+struct MergeNames {
+  const char *o_a, *s_a, *o_b, *s_b, *o_out, *s_out;
+};
+constexpr MergeNames kOutOfPlaceNames{"o_a", "s_a", "o_b", "s_b", "o_out", "s_out"};
+constexpr MergeNames kInPlaceNames{"o", "s", "o_other", "s_other", "o", "s"};
 
 void merge_two(const char* entry, const TensorView& o_a, const TensorView& s_a,
                const TensorView& o_b, const TensorView& s_b, const TensorView& o_out,
                const TensorView& s_out, cudaStream_t stream, bool in_place) {
   const detail::ArgCheck check(entry);
-  check_state(check, o_a, "o_a", s_a, "s_a", 3);
-  check_state(check, o_b, "o_b", s_b, "s_b", 3);
-  check.dtype(o_b, "o_b", {o_a.dtype});
-  check.same_shape(o_a, "o_a", o_b, "o_b");
-  check_head_dim(check, o_a, "o_a");
-  check.tensor(o_out, "o_out", 3);
-  check_out_dtype(check, o_a.dtype, o_out);
-  check.same_shape(o_a, "o_a", o_out, "o_out");
-  check.vectorizable_rows(o_out, "o_out");
+  const MergeNames& n = in_place ? kInPlaceNames : kOutOfPlaceNames;
+  check_state(check, o_a, n.o_a, s_a, n.s_a, 3);
+  check_state(check, o_b, n.o_b, s_b, n.s_b, 3);
+  check.dtype(o_b, n.o_b, {o_a.dtype});
+  check.same_shape(o_a, n.o_a, o_b, n.o_b);
+  check_head_dim(check, o_a, n.o_a);
+  check.tensor(o_out, n.o_out, 3);
+  check_out_dtype(check, o_a.dtype, o_out, n.o_out);
+  check.same_shape(o_a, n.o_a, o_out, n.o_out);
+  check.vectorizable_rows(o_out, n.o_out);
   if (!s_out.empty_view()) {
-    check.tensor(s_out, "s_out", 2);
-    check.dtype(s_out, "s_out", {DType::kFP32});
-    check.same_shape(s_a, "s_a", s_out, "s_out");
+    check.tensor(s_out, n.s_out, 2);
+    check.dtype(s_out, n.s_out, {DType::kFP32});
+    check.same_shape(s_a, n.s_a, s_out, n.s_out);
   }
-  check_size(check, o_out);
-  check_outputs(check, o_out, s_out, {{&o_a, "o_a"}, {&s_a, "s_a"}, {&o_b, "o_b"}, {&s_b, "s_b"}},
-                in_place);
+  check_size(check, o_out, n.o_out);
+  check_outputs(check, o_out, s_out, {{&o_a, n.o_a}, {&s_a, n.s_a}, {&o_b, n.o_b}, {&s_b, n.s_b}},
+                in_place, n.o_out, n.s_out);
 
   kernels::MergeStatesParams p;
   p.num_states = 2;

@@ -425,10 +425,13 @@ TEST(BadInputAppend, OverlappingOrBroadcastPages) {
 
 TEST(BadInputMerge, InPlaceAndNaryArguments) {
   MergeProblem p;
+  // In place, errors name the arguments as the caller passes them: (o, s, o_other, s_other).
   expect_error([&] { merge_state_in_place(p.o_a, p.o_b, p.o_b, p.s_b, nullptr); },
-               {"merge_state_in_place", "'s_a'", "rank 2"});
+               {"merge_state_in_place", "'s'", "rank 2"});
   expect_error([&] { merge_state_in_place(p.o_a, p.s_a, p.o_a, p.s_b, nullptr); },
-               {"merge_state_in_place", "'o_out'", "must not overlap 'o_b'"});
+               {"merge_state_in_place", "'o'", "must not overlap 'o_other'"});
+  expect_error([&] { merge_state_in_place(p.o_a, p.s_a, p.o_b, p.s_a, nullptr); },
+               {"merge_state_in_place", "'s'", "must not overlap 's_other'"});
   expect_error(
       [&] {
         merge_states(TensorView::contiguous(fake(), DType::kBF16, {16, 3, 4, 128}),
@@ -588,6 +591,11 @@ std::vector<TableEntry> validation_table() {
        {"s_b", in(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.s_b; }))},
        {"o_out", out(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.o_out; }))},
        {"s_out", out(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.s_out; }))}}));
+  t.push_back(table_entry<MP>("merge_state_in_place", [](MP& p) { merge_state_in_place(p.o_a, p.s_a, p.o_b, p.s_b, nullptr); },
+      {{"o", out(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.o_a; }))},
+       {"s", out(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.s_a; }))},
+       {"o_other", in(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.o_b; }))},
+       {"s_other", in(std::function<TensorView&(MP&)>([](MP& p) -> TensorView& { return p.s_b; }))}}));
   t.push_back(table_entry<SP>("merge_states", [](SP& p) { p.run(); },
       {{"o_parts", in(std::function<TensorView&(SP&)>([](SP& p) -> TensorView& { return p.o_parts; }))},
        {"s_parts", in(std::function<TensorView&(SP&)>([](SP& p) -> TensorView& { return p.s_parts; }))},
