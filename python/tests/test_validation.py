@@ -311,3 +311,47 @@ def test_decoder_without_gpu_says_so():
     cfg = tessera.DecodeConfig(num_qo_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, max_batch_size=4)
     with pytest.raises(tessera.Error, match="CUDA"):
         tessera.BatchDecoder(cfg)
+
+
+# ---- The validation table through the package: entry point x tensor argument x rule ----------------
+# Each case breaks one rule of one argument of a valid call (a dtype the rule refuses, one more
+# dim) and expects tessera.Error naming the C++ entry point and argument; outputs stay untouched.
+def _merge_problem(dev):
+    return dict(o_a=dev.randn((5, 3, 64), "bf16", seed=1), s_a=dev.randn((5, 3), "fp32", seed=3),
+                o_b=dev.randn((5, 3, 64), "bf16", seed=2), s_b=dev.randn((5, 3), "fp32", seed=4),
+                out=dev.full((5, 3, 64), POISON, "bf16"), s_out=dev.full((5, 3), POISON, "fp32"),
+                o_parts=dev.randn((5, 4, 3, 64), "fp32", seed=5), s_parts=dev.randn((5, 4, 3), "fp32", seed=6))
+
+
+_TABLE = [  # (entry, the package call from a problem dict, [(python argument, the library's name)])
+    ("merge_state", lambda t: tessera.merge_state(t["o_a"], t["s_a"], t["o_b"], t["s_b"], out=t["out"], s_out=t["s_out"]),
+     [("o_a", "o_a"), ("s_a", "s_a"), ("o_b", "o_b"), ("s_b", "s_b"), ("out", "o_out"), ("s_out", "s_out")]),
+    ("merge_state_in_place", lambda t: tessera.merge_state_in_place(t["out"], t["s_out"], t["o_b"], t["s_b"]),
+     [("out", "o"), ("s_out", "s"), ("o_b", "o_other"), ("s_b", "s_other")]),
+    ("merge_states", lambda t: tessera.merge_states(t["o_parts"], t["s_parts"], out=t["out"], s_out=t["s_out"]),
+     [("o_parts", "o_parts"), ("s_parts", "s_parts"), ("out", "o_out"), ("s_out", "s_out")]),
+]
+
+
+def _broken(dev, x, rule):
+    """x with one rule broken: its dtype swapped for one the rule refuses, or one more dim."""
+    shape = tuple(x.shape)
+    if rule == "dtype":
+        floating = dev.to_numpy(x).dtype.kind == "f"
+        return dev.randn(shape, "int32" if floating else "fp32") if floating else dev.randn(shape, "fp32")
+    return dev.randn(shape + (1,), "fp32")
+
+
+@pytest.mark.parametrize("entry,call,args", _TABLE, ids=[t[0] for t in _TABLE])
+@pytest.mark.parametrize("rule", ["dtype", "rank"])
+def test_validation_table(dev, entry, call, args, rule):
+    for python_name, library_name in args:
+        t = _merge_problem(dev)
+        out_before, s_before = dev.to_numpy(t["out"]).copy(), dev.to_numpy(t["s_out"]).copy()
+        t[python_name] = _broken(dev, t[python_name], rule)
+        with pytest.raises(tessera.Error) as e:
+            call(t)
+        assert ("tessera::%s: argument '%s'" % (entry, library_name)) in str(e.value), (python_name, str(e.value))
+        if python_name not in ("out", "s_out"):
+            assert np.array_equal(dev.to_numpy(t["out"]), out_before)
+            assert np.array_equal(dev.to_numpy(t["s_out"]), s_before)
