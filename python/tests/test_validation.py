@@ -355,3 +355,37 @@ def test_validation_table(dev, entry, call, args, rule):
         if python_name not in ("out", "s_out"):
             assert np.array_equal(dev.to_numpy(t["out"]), out_before)
             assert np.array_equal(dev.to_numpy(t["s_out"]), s_before)
+
+
+# The prefill wrappers in the same table: each device tensor argument x {dtype, rank}, by keyword.
+_PREFILL_TABLE = [
+    ("batch_prefill", lambda dev, **kw: Ragged(dev).call(**kw),
+     [("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("lse", "lse"), ("qo_indptr", "qo_indptr"),
+      ("kv_indptr", "kv_indptr")]),
+    ("batch_prefill_paged", lambda dev, **kw: Paged(dev).prefill(**kw),
+     [("q", "q"), ("out", "o"), ("k_pages", "k_pages"), ("v_pages", "v_pages"), ("qo_indptr", "qo_indptr"),
+      ("kv_indptr", "kv_indptr"), ("kv_indices", "kv_indices"), ("kv_last_page_len", "kv_last_page_len")]),
+]
+
+
+def _valid_argument(dev, entry, name):
+    """The argument `name` of the table's valid problem for `entry` (to break it)."""
+    if entry == "batch_prefill":
+        p = Ragged(dev)
+        return {"q": p.q, "k": p.k, "v": p.v, "out": p.o, "lse": p.lse, "qo_indptr": dev.indices(p.qo),
+                "kv_indptr": dev.indices(p.kv)}[name]
+    p = Paged(dev)
+    return {"q": p.q, "out": p.o, "k_pages": p.k_pages, "v_pages": p.v_pages, "qo_indptr": dev.indices(p.qo),
+            "kv_indptr": dev.indices(p.indptr), "kv_indices": dev.indices(p.indices),
+            "kv_last_page_len": dev.indices(p.last)}[name]
+
+
+@pytest.mark.parametrize("entry,make,args", _PREFILL_TABLE, ids=[t[0] for t in _PREFILL_TABLE])
+@pytest.mark.parametrize("rule", ["dtype", "rank"])
+def test_prefill_validation_table(dev, entry, make, args, rule):
+    for python_name, library_name in args:
+        broken = _broken(dev, _valid_argument(dev, entry, python_name), rule)
+        with pytest.raises(tessera.Error) as e:
+            make(dev, **{python_name: broken})()
+        msg = str(e.value)
+        assert ("tessera::%s: argument '%s'" % (entry, library_name)) in msg, (python_name, msg)
