@@ -359,8 +359,8 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
   const int32_t heads = cap_.num_kv_heads;
   const int32_t machines = std::max(1, wave.ctas / heads);
   const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;
-  const double total = (double(num_with_query_) * policy_.cost.task_start_us +
-                        double(len_total_) * token_us(wave, wave.ctas)) * rounds;
+  const double per_token_us = token_us(wave, wave.ctas);  // all slots streaming: the bandwidth's share
+  const double total = (double(num_with_query_) * policy_.cost.task_start_us + double(len_total_) * per_token_us) * rounds;
   const double average = total / machines;
   // Nothing to gain: the longest request is within the minimum chunk or the average load.
   if (longest <= lo || task_us(longest, wave) * rounds <= average) return {longest, 0.0};
@@ -370,9 +370,7 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     return std::min(longest, std::max(lo, (t + granule_ - 1) / granule_ * granule_));
   };
   const int64_t max_chunk_slots = int64_t(wave.ctas) * policy_.max_chunks_per_slot;
-  const double per_token_us = token_us(wave, wave.ctas);
   const double fastest_token = token_us(wave, 1);
-  const double slowest_share_token = per_token_us;  // all slots streaming: the bandwidth's share
   Choice best{longest, INFINITY};
   // Estimates a chunk target unless a lower bound of its makespan (its longest task, or the
   // average load with the start-ups its extra tasks add) already reaches the best one's.
@@ -385,7 +383,7 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     const double bound =
         std::max(policy_.cost.task_start_us + double(chunk_length(longest, chunk)) * fastest_token,
                  (double(num_with_query_ + extra) * heads * policy_.cost.task_start_us / wave.ctas +
-                  double(len_total_) * heads * slowest_share_token / wave.ctas));
+                  double(len_total_) * heads * per_token_us / wave.ctas));
     if (bound >= best.makespan_us) return;
     const double m = makespan_us(chunk, wave);
     // Within the model's error (kModelTolerance) the longer chunk wins: fewer tasks, partials
@@ -422,9 +420,10 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
   // GPU, or whose few requests split into whole rounds); the task count never grows with the
   // chunk, so binary search over granules.
   int64_t hi = (longest + granule_ - 1) / granule_;
+  const int64_t unsplit_tasks = split_count(longest).items;
   for (int32_t waves = 1; waves <= 3; ++waves) {
     const int64_t fit = int64_t(wave.ctas) * waves;
-    if (split_count(longest).items > fit) break;
+    if (unsplit_tasks > fit) break;
     int64_t a = lo / granule_, b = hi;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
