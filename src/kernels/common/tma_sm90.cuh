@@ -37,6 +37,19 @@ struct Mbarrier {
   __device__ void arrive() {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(&word)) : "memory");
   }
+  // An arrival by the threads where `pred` holds, predicated inside the instruction rather than
+  // branched around: a C++ `if (lane == 0)` between wgmma issues is a divergent path to ptxas,
+  // which then serialises every wgmma of the kernel (C7520).
+  __device__ void arrive_if(bool pred) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+        "}\n" ::"r"(smem_u32(&word)),
+        "r"(int(pred))
+        : "memory");
+  }
   // One arrival that also announces `bytes` of copies that will complete on this barrier.
   __device__ void arrive_expect_tx(uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&word)), "r"(bytes)

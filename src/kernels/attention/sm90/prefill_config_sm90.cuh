@@ -16,8 +16,20 @@ namespace tessera::kernels::sm90 {
 
 // Ablation switches (notes/prefill_hopper.md): builds of the benchmark with other values time the
 // alternatives against the defaults in one run. Not for production builds.
-#ifndef TESSERA_SM90_PINGPONG
-#define TESSERA_SM90_PINGPONG 0
+// TESSERA_SM90_PINGPONG sets the ping-pong of every head dim; the per-head-dim switches win.
+#ifdef TESSERA_SM90_PINGPONG
+#define TESSERA_SM90_PINGPONG_DEFAULT(hd_default) TESSERA_SM90_PINGPONG
+#else
+#define TESSERA_SM90_PINGPONG_DEFAULT(hd_default) hd_default
+#endif
+#ifndef TESSERA_SM90_PINGPONG_HD64
+#define TESSERA_SM90_PINGPONG_HD64 TESSERA_SM90_PINGPONG_DEFAULT(0)
+#endif
+#ifndef TESSERA_SM90_PINGPONG_HD128
+#define TESSERA_SM90_PINGPONG_HD128 TESSERA_SM90_PINGPONG_DEFAULT(1)
+#endif
+#ifndef TESSERA_SM90_PINGPONG_HD256
+#define TESSERA_SM90_PINGPONG_HD256 TESSERA_SM90_PINGPONG_DEFAULT(0)
 #endif
 #ifndef TESSERA_SM90_HD128_BLOCK_N
 #define TESSERA_SM90_HD128_BLOCK_N 128
@@ -38,11 +50,12 @@ struct PrefillSm90Config {
   static constexpr int kBlockM = 64 * kConsumers;      // query rows per tile
   static constexpr int kBlockN = kHeadDim == 256 ? 80 : kHeadDim == 128 ? TESSERA_SM90_HD128_BLOCK_N : 128;  // keys per K / V tile
   static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? TESSERA_SM90_HD128_STAGES : 2;
-  // The two consumer warpgroups take turns issuing their products (FA3's ping-pong): while one
-  // runs its softmax the other has the tensor cores. Two named barriers pass the turn. Off: with
-  // the softmax already overlapped inside each warpgroup it measured 0.71x at hd128 8K (447 vs
-  // 625 TFLOP/s, same run; notes/prefill_hopper.md v1).
-  static constexpr bool kPingPong = TESSERA_SM90_PINGPONG != 0 && kConsumers == 2;
+  // The consumer warpgroups take turns issuing their products (FA3's ping-pong, round robin):
+  // while one runs its softmax the others have the tensor cores. hd128: on, 650 vs 612 TFLOP/s at
+  // 8K and 540 vs 514 at 1K over the best earlier build without it (notes/prefill_hopper.md v4;
+  // an earlier 0.71x "loss" was ptxas serialising every wgmma, C7520, not the ping-pong).
+  static constexpr bool kPingPong =
+      (kHeadDim == 64 ? TESSERA_SM90_PINGPONG_HD64 : kHeadDim == 128 ? TESSERA_SM90_PINGPONG_HD128 : TESSERA_SM90_PINGPONG_HD256) != 0;
   // Q buffers. Two (the next work tile's Q loading during the whole current tile, not only its
   // last P V) measured 0.89x at hd128 (8K: 556 vs 625 TFLOP/s, 2K 516 vs 576; notes v2), so one.
   static constexpr int kQStages = 1;

@@ -44,28 +44,28 @@ struct PrefillConsumer {
       : p(params), smem(s), logits(params.base.scale, params.base.soft_cap), consumer(consumer_index),
         warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32) {}
 
-  // Ping-pong (Config::kPingPong): consumer c issues its products only on its turn, named barrier
-  // kTurnBarrier + c over both warpgroups, and hands the turn to the other after issuing.
+  // Ping-pong (Config::kPingPong): consumer c issues its products only on its turn (named barrier
+  // kTurnBarrier + c: its own 128 threads wait, the 128 of the consumer before it arrive) and
+  // hands the turn on to consumer c + 1 (mod kConsumers) after issuing: round robin.
   static constexpr int kTurnBarrier = 1;
   __device__ void take_turn() const {
     if constexpr (Config::kPingPong) named_barrier_sync(kTurnBarrier + consumer, 256);
   }
   __device__ void pass_turn() const {
-    if constexpr (Config::kPingPong) named_barrier_arrive(kTurnBarrier + (1 - consumer), 256);
+    if constexpr (Config::kPingPong) named_barrier_arrive(kTurnBarrier + (consumer + 1) % Config::kConsumers, 256);
   }
-  // Consumer 0 takes the first turn: consumer 1 starts by handing it over; at the end consumer 0
-  // takes the turn consumer 1 passed last, so no barrier is left with arrivals pending.
+  // Consumer 0 takes the first turn: the last consumer starts by handing it over; at the end
+  // consumer 0 takes the turn the last one passed, so no barrier is left with arrivals pending
+  // (every consumer takes the same number of turns: they walk the same tiles).
   __device__ void start_turns() const {
-    if (consumer == 1) pass_turn();
+    if (consumer == Config::kConsumers - 1) pass_turn();
   }
   __device__ void finish_turns() const {
     if (consumer == 0) take_turn();
   }
 
   // One arrival per warp on a barrier counting kConsumers x 4 warps.
-  __device__ void release(Mbarrier& b) const {
-    if (lane == 0) b.arrive();
-  }
+  __device__ void release(Mbarrier& b) const { b.arrive_if(lane == 0); }
 
   // S = Q K^T for the K tile in `stage` (between wgmma_fence and the wait; commits).
   __device__ void issue_scores(STile& s, int stage) const {

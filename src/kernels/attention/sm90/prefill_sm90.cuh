@@ -46,7 +46,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
   }
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  // Warp-uniform for the compiler (a shuffle from lane 0): ptxas then sees the consumers' turn
+  // barriers and branches on it as uniform and keeps their wgmma asynchronous.
+  const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Config::kProducerRegisters>();
     if (threadIdx.x < 32) prefill_producer_warp<T, Config, Scheduler>(p, smem);

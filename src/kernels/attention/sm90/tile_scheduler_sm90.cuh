@@ -53,6 +53,12 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
+// A value every lane of the warp holds, as lane 0's: the compiler then knows it is uniform. Every
+// branch of the consumers' tile loop must be uniform in its eyes, or ptxas serialises all their
+// wgmma ("C7520: wgmma.mma_async instructions are serialized due to ... divergent path"): loop
+// bounds read from memory count as divergent unless they pass through a shuffle.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
   WorkTile w;
@@ -60,10 +66,10 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   decode_position(p, position, w.request, w.head, m_tile);
   w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
   w.m0 = m_tile * kBlockM;
-  w.q_start = p.base.qo_indptr[w.request];
-  w.qo_len = p.base.qo_indptr[w.request + 1] - w.q_start;
-  w.kv_start = p.base.kv_indptr[w.request];
-  w.kv_len = p.base.kv_indptr[w.request + 1] - w.kv_start;
+  w.q_start = warp_uniform(p.base.qo_indptr[w.request]);
+  w.qo_len = warp_uniform(p.base.qo_indptr[w.request + 1]) - w.q_start;
+  w.kv_start = warp_uniform(p.base.kv_indptr[w.request]);
+  w.kv_len = warp_uniform(p.base.kv_indptr[w.request + 1]) - w.kv_start;
   w.band = MaskBand{w.qo_len, w.kv_len, w.kv_len - w.qo_len, p.base.causal, p.base.window_left};
   const int last_row = min(w.m0 + kBlockM, w.qo_len) - 1;
   const int n_begin = w.band.key_begin(w.m0);
