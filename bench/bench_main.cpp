@@ -561,9 +561,11 @@ int bench_prefill_paged(const Args& a) {
   const double paged_ms = median_ms([&](int) { batch_prefill_paged(pa, nullptr); }, 3, 20);
   std::printf("{\"suite\": \"prefill_paged\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
               "\"tessera\": %.2f, \"time_us\": %.1f, \"ragged_tflops\": %.2f, "
-              "\"paged_over_ragged\": %.3f, \"page_size\": %d, \"layout\": \"%s\"}\n",
+              "\"paged_over_ragged\": %.3f, \"page_size\": %d, \"layout\": \"%s\", \"path\": \"%s\", "
+              "\"ragged_path\": \"%s\"}\n",
               arg(a, "name").c_str(), flops / (paged_ms * 1e-3) / 1e12, paged_ms * 1e3,
-              flops / (ragged_ms * 1e-3) / 1e12, ragged_ms / paged_ms, P, kv_layout_name(layout));
+              flops / (ragged_ms * 1e-3) / 1e12, ragged_ms / paged_ms, P, kv_layout_name(layout),
+              attention_path_name(choose_prefill_paged_path(pa)), attention_path_name(choose_prefill_path(prob.args)));
   return 0;
 }
 

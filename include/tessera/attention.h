@@ -51,7 +51,9 @@ AttentionPath choose_prefill_path(const PrefillArgs& args);
 // Batch prefill / extend over a paged KV cache: ragged queries (request i's rows
 // [qo_indptr[i], qo_indptr[i+1]) are the last qo_len positions of its sequence) against the
 // request's pages (cache layout NHD or HND, strided pages allowed, same dtype as q). The same
-// kernels as batch_prefill with a paged row loader; masks, variants and outputs as PrefillArgs.
+// kernels as batch_prefill with a paged K / V loader; masks, variants and outputs as PrefillArgs.
+// On sm_90 the Hopper family reads pages of a multiple of 8 tokens (TMA boxes); other page sizes
+// run on the portable family (kAuto), or are an error when kHopper is forced.
 // The page table's host copies are required: the launch is sized from them and every page id is
 // checked against the cache (O(pages) on the host).
 struct PagedPrefillArgs {
@@ -70,5 +72,8 @@ struct PagedPrefillArgs {
 };
 
 void batch_prefill_paged(const PagedPrefillArgs& args, cudaStream_t stream);
+
+// The family kAuto picks for this paged problem on the current GPU (without running anything).
+AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args);
 
 }  // namespace tessera

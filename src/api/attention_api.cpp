@@ -199,15 +199,35 @@ kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const Te
 
 }  // namespace
 
+namespace {
+// The paged launch's problem shape as the family choice sees it.
+dispatch::PrefillProblem paged_problem(const PagedPrefillArgs& a) {
+  const int head_dim = static_cast<int>(a.q.size(2));
+  dispatch::PrefillProblem problem;
+  problem.paged = true;
+  problem.page_size = static_cast<int>(a.cache.page_size());
+  problem.shared_memory_per_block = dispatch::shared_memory_per_block();
+  const int64_t block_m = kernels::sm90::prefill_sm90_block_m(head_dim);
+  const int max_qo = max_qo_len(a.qo_indptr, a.host_qo_indptr);
+  problem.tiles = (a.qo_indptr.size(0) - 1) * a.q.size(1) * ((max_qo + block_m - 1) / block_m);
+  return problem;
+}
+}  // namespace
+
+AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args) {
+  const detail::ArgCheck check("batch_prefill_paged");
+  validate_paged(check, args);
+  return choose_path("batch_prefill_paged", args.path, args.q.dtype, static_cast<int>(args.q.size(2)),
+                     paged_problem(args));
+}
+
 void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill_paged");
   validate_paged(check, a);
-  dispatch::PrefillProblem problem;
-  problem.paged = true;
-  problem.shared_memory_per_block = dispatch::shared_memory_per_block();
-  choose_path("batch_prefill_paged", a.path, a.q.dtype, static_cast<int>(a.q.size(2)), problem);
-
   const PagedKVCache& c = a.cache;
+  const int head_dim = static_cast<int>(a.q.size(2));
+  const AttentionPath path = choose_path("batch_prefill_paged", a.path, a.q.dtype, head_dim, paged_problem(a));
+
   int64_t max_kv = 0;
   for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
     const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
@@ -235,7 +255,13 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   p.kv_last_page_len = static_cast<const int32_t*>(a.table.last_page_len.data);
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
   p.q_rows = a.q.size(0);
-  kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(a.q.size(2)), p, stream);
+  p.num_pages = c.num_pages();
+  if (path == AttentionPath::kHopper) {
+    kernels::sm90::launch_prefill_sm90(a.q.dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
+                                       dispatch::sm_count(), stream);
+  } else {
+    kernels::launch_prefill_sm80(a.q.dtype, head_dim, p, stream);
+  }
 }
 
 namespace {

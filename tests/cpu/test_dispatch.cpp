@@ -25,15 +25,21 @@ TEST(PrefillDispatch, AutoPicksHopperOnSm90WhenBuilt) {
   const auto c = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, 128);
   ASSERT_TRUE(c.ok) << c.why_not;
   EXPECT_EQ(c.path, hopper.built ? AttentionPath::kHopper : AttentionPath::kPortable);
-  // Paged KV caches are not on the Hopper family yet: auto takes the portable one, forced is an error.
-  dispatch::PrefillProblem paged;
-  paged.paged = true;
-  const auto p = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, 128, paged);
-  ASSERT_TRUE(p.ok) << p.why_not;
-  EXPECT_EQ(p.path, AttentionPath::kPortable);
-  const auto forced = dispatch::choose_prefill(AttentionPath::kHopper, 9, 0, DType::kBF16, 128, paged);
-  EXPECT_FALSE(forced.ok);
-  EXPECT_THAT(forced.why_not, HasSubstr(hopper.built ? "paged" : "not in this build"));
+  // Paged KV caches: the Hopper family reads pages of a multiple of 8 tokens; auto takes the
+  // portable family for the others, forcing Hopper there is an error naming the page size.
+  for (int page_size : {8, 16, 48, 64, 256, 1, 2, 7, 12, 100}) {
+    const bool hopper_reads_it = page_size % 8 == 0;
+    dispatch::PrefillProblem paged;
+    paged.paged = true;
+    paged.page_size = page_size;
+    const auto p = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, 128, paged);
+    ASSERT_TRUE(p.ok) << p.why_not;
+    EXPECT_EQ(p.path, hopper.built && hopper_reads_it ? AttentionPath::kHopper : AttentionPath::kPortable)
+        << "page " << page_size;
+    const auto forced = dispatch::choose_prefill(AttentionPath::kHopper, 9, 0, DType::kBF16, 128, paged);
+    EXPECT_EQ(forced.ok, hopper.built && hopper_reads_it) << "page " << page_size << ": " << forced.why_not;
+    if (hopper.built && !hopper_reads_it) EXPECT_THAT(forced.why_not, HasSubstr("page_size is " + std::to_string(page_size)));
+  }
   // A launch of 2^31 query tiles or more is beyond the Hopper family's tile list.
   dispatch::PrefillProblem huge;
   huge.tiles = int64_t(1) << 31;

@@ -51,6 +51,13 @@ void pick_compiled(int& head_dim, DType& dtype) {
   }
 }
 
+// Why the Hopper family cannot run (dtype, head_dim) here ("" when it can).
+std::string hopper_unavailable(DType dtype, int head_dim) {
+  const DeviceInfo info = device_info();
+  const auto c = dispatch::choose_prefill(AttentionPath::kHopper, info.cc_major, info.cc_minor, dtype, head_dim);
+  return c.ok ? std::string() : c.why_not;
+}
+
 // Where two runs differ (for the failure message of a bitwise comparison).
 std::string first_difference(const Outputs& a, const Outputs& b) {
   size_t o_diff = 0, lse_diff = 0, first_o = 0, first_lse = 0;
@@ -86,6 +93,7 @@ struct PagedCase {
   float soft_cap = 0.f;
   float scale = 0.f;
   int64_t q_pad = 0;  // extra elements per row of q and o (strided rows)
+  AttentionPath path = AttentionPath::kAuto;
 };
 
 std::string list_of(const std::vector<int>& v) {
@@ -105,6 +113,7 @@ std::string describe(const PagedCase& c) {
   if (c.scale > 0) s += " scale " + std::to_string(c.scale);
   if (c.kv.head_pad || c.kv.k_page_pad || c.kv.v_page_pad) s += " strided pages";
   if (c.q_pad) s += " strided rows";
+  if (c.path != AttentionPath::kAuto) s += std::string(" path ") + attention_path_name(c.path);
   return s;
 }
 
@@ -160,6 +169,7 @@ struct PagedProblem {
     a.window_left = c.window_left;
     a.scale = c.scale;
     a.soft_cap = c.soft_cap;
+    a.path = c.path;
     return a;
   }
 
@@ -238,6 +248,69 @@ TEST(GpuPrefillPaged, PageSizesAndLayouts) {
   }
 }
 
+// ---- 1b. The Hopper family over pages --------------------------------------------------------------
+// sm_90: every page size the Hopper family reads (multiples of 8: TMA boxes of gcd(page_size, KV
+// tile) rows, so 8-row boxes, pages of 48 and 80 with 16-row boxes, pages larger than a tile),
+// both layouts, every compiled head dim and dtype, causal and windowed, GQA, strided pages; the
+// batch of PageSizesAndLayouts (chunked prefill, empty requests, qo_len > kv_len). A page size it
+// does not read is an error naming it when the family is forced.
+TEST(GpuPrefillPaged, HopperFamilyPageSizesAndLayouts) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 50;
+  int tested = 0, rotation = 0;
+  for (int head_dim : {64, 128, 256}) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      if (!prefill_compiled(head_dim, dtype) || !hopper_unavailable(dtype, head_dim).empty()) continue;
+      for (int page_size : {8, 16, 48, 64, 80, 128, 256}) {
+        const int r = rotation++;
+        PagedCase c;
+        c.path = AttentionPath::kHopper;
+        c.kv.dtype = dtype;
+        c.kv.head_dim = head_dim;
+        c.kv.layout = r % 2 == 0 ? KVLayout::kNHD : KVLayout::kHND;
+        c.kv.page_size = page_size;
+        c.num_qo_heads = r % 3 == 0 ? 8 : 4;
+        c.kv.num_kv_heads = r % 3 == 2 ? 4 : r % 3 == 1 ? 1 : 2;
+        c.causal = r % 4 != 3;
+        c.window_left = r % 5 == 4 ? 90 : -1;
+        c.soft_cap = r % 7 == 5 ? 20.f : 0.f;
+        if (r % 3 == 1) {  // strided pages, different for K and V
+          c.kv.head_pad = 8;
+          c.kv.k_page_pad = 24;
+          c.kv.v_page_pad = 40;
+          c.q_pad = 24;
+        }
+        c.qo_len = {97, 54, 7, 0, 130, 40, 1};
+        c.kv_len = {577, 54, 0, 33, 1000, 16, 97};
+        run_case(c, seed++);
+        ++tested;
+      }
+    }
+  }
+  if (tested == 0) GTEST_SKIP() << hopper_unavailable(DType::kBF16, 128);
+  // Pages of other sizes: the portable family under auto, an error when Hopper is forced.
+  PagedCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv.page_size = 12;
+  c.qo_len = {5, 20};
+  c.kv_len = {20, 40};
+  run_case(c, seed++);
+  PagedProblem p(c, seed++);
+  PagedPrefillArgs a = p.args();
+  a.path = AttentionPath::kHopper;
+  p.poison();
+  try {
+    batch_prefill_paged(a, nullptr);
+    ADD_FAILURE() << "a forced Hopper run over pages of 12 tokens was accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'path'"));
+    EXPECT_THAT(e.what(), HasSubstr("page_size is 12"));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  const Outputs untouched = fetch(p.o, p.lse, p.out_shape());
+  EXPECT_TRUE(std::all_of(untouched.lse_raw.begin(), untouched.lse_raw.end(), is_poison)) << "lse written";
+}
+
 // ---- 2. Head dims, dtypes, masks and logit variants, GQA groups --------------------------------------
 TEST(GpuPrefillPaged, HeadDimsDtypesAndVariants) {
   TESSERA_REQUIRE_GPU();
@@ -312,9 +385,10 @@ TEST(GpuPrefillPaged, CompactTileShapeForLessSharedMemory) {
 // ---- 3. Paged == ragged ------------------------------------------------------------------------------
 // The same tokens laid out ragged ([total_kv, heads, head_dim], batch_prefill) and paged (shuffled
 // pages, NaN everywhere no request owns, batch_prefill_paged) give bitwise identical O and LSE.
-// That is the design: both run the same kernel template with the same tile shape, the same launch
-// grid, the same launch parameters (scale, window collapse) and the same math; only the loader
-// that fills the K/V shared-memory tiles differs, and both loaders zero-fill rows past kv_len. So
+// That is the design, on each family: both run the same kernel template with the same tile shape,
+// the same launch grid, the same launch parameters (scale, window collapse) and the same math;
+// only the loader that fills the K/V shared-memory tiles differs, and both loaders zero-fill V rows
+// past kv_len (the logits of K rows past it are overwritten by the mask). So
 // the shared-memory tiles, hence every fp operation and its order, are identical. (If this ever
 // fails while the reference comparison passes, the paths have diverged in something other than
 // addressing, e.g. a different tile config for the paged instantiation.)
@@ -335,8 +409,10 @@ TEST(GpuPrefillPaged, PagedEqualsRagged) {
       {KVLayout::kNHD, 7, 128, false, 100, 0.f},
   };
   uint32_t seed = 200;
-  for (const Shape& s : shapes) {
+  for (const Shape& s : shapes)
+  for (AttentionPath path : {AttentionPath::kPortable, AttentionPath::kHopper}) {
     PagedCase c;
+    c.path = path;
     c.kv.layout = s.layout;
     c.kv.page_size = s.page_size;
     c.kv.head_dim = s.head_dim;
@@ -352,6 +428,8 @@ TEST(GpuPrefillPaged, PagedEqualsRagged) {
     c.kv_len = {577, 54, 0, 33, 16};
     SCOPED_TRACE(describe(c));
     if (!prefill_compiled(c.kv.head_dim, c.kv.dtype)) continue;
+    if (path == AttentionPath::kHopper && (s.page_size % 8 != 0 || !hopper_unavailable(c.kv.dtype, s.head_dim).empty()))
+      continue;
     PagedProblem p(c, seed++);
     const Outputs paged = p.run_and_fetch();
     check_against(paged, p.expected(), "paged");
@@ -390,9 +468,8 @@ TEST(GpuPrefillPaged, PagedEqualsRagged) {
     a.window_left = c.window_left;
     a.scale = c.scale;
     a.soft_cap = c.soft_cap;
-    // The family batch_prefill_paged runs (the Hopper family does not read pages yet), so that
-    // the two are the same kernel and must agree bit for bit.
-    a.path = AttentionPath::kPortable;
+    // The family the paged run took, so that the two are the same kernel and must agree bit for bit.
+    a.path = path;
     p.poison();
     batch_prefill(a, nullptr);
     CUDA_OK(cudaGetLastError());

@@ -36,6 +36,7 @@ struct PrefillParams {
   int page_size = 1;
   unsigned page_magic = 0;
   int page_shift = 0;
+  int64_t num_pages = 0;  // pages of the k / v page tensors
   int32_t k_stride_page = 0, k_stride_token = 0;
   int32_t v_stride_page = 0, v_stride_token = 0;
   int batch_size = 0;

@@ -102,6 +102,15 @@ __device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, Mbarrier* ba
 
 // Ordinary shared-memory writes of this thread become visible to later async-proxy reads
 // (tensor cores, copy engine) once the reader has synchronised with this thread.
+__device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(&bar->word)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

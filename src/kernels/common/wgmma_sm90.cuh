@@ -79,6 +79,15 @@ struct Sw128Tile {
 #pragma unroll
     for (int c = 0; c < kColBlocks; ++c) tma_load_3d(map, bar, block(c), c * kBlockCols, head, row0);
   }
+  // Rows [row, row + box_rows) of the tile from one page of a 4-D tensor map whose dims are
+  // (innermost first) kCols, then the page's token and head dims in the order of their strides,
+  // then the page (box 64 x box_rows x 1 x 1 or 64 x 1 x box_rows x 1): one copy per column block,
+  // at coordinates (column, c1, c2, page). `row` must be a multiple of 8, so each box starts on a
+  // whole 1024-byte swizzle atom and lands where the whole-tile copy would have put it.
+  __device__ void load_page_rows(const CUtensorMap* map, Mbarrier* bar, int row, int c1, int c2, int page) const {
+#pragma unroll
+    for (int c = 0; c < kColBlocks; ++c) tma_load_4d(map, bar, block(c) + row * 128, c * kBlockCols, c1, c2, page);
+  }
 };
 
 // ---- Warpgroup synchronisation and registers -----------------------------------------------------

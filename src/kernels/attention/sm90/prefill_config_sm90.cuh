@@ -23,7 +23,7 @@ namespace tessera::kernels::sm90 {
 #define TESSERA_SM90_PINGPONG_DEFAULT(hd_default) hd_default
 #endif
 #ifndef TESSERA_SM90_PINGPONG_HD64
-#define TESSERA_SM90_PINGPONG_HD64 TESSERA_SM90_PINGPONG_DEFAULT(0)
+#define TESSERA_SM90_PINGPONG_HD64 TESSERA_SM90_PINGPONG_DEFAULT(1)
 #endif
 #ifndef TESSERA_SM90_PINGPONG_HD128
 #define TESSERA_SM90_PINGPONG_HD128 TESSERA_SM90_PINGPONG_DEFAULT(1)
@@ -36,6 +36,9 @@ namespace tessera::kernels::sm90 {
 #endif
 #ifndef TESSERA_SM90_HD64_CONSUMERS
 #define TESSERA_SM90_HD64_CONSUMERS 3
+#endif
+#ifndef TESSERA_SM90_Q_STAGES
+#define TESSERA_SM90_Q_STAGES 1
 #endif
 #ifndef TESSERA_SM90_HD128_STAGES
 #define TESSERA_SM90_HD128_STAGES 2
@@ -51,18 +54,21 @@ struct PrefillSm90Config {
   static constexpr int kBlockN = kHeadDim == 256 ? 80 : kHeadDim == 128 ? TESSERA_SM90_HD128_BLOCK_N : 128;  // keys per K / V tile
   static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? TESSERA_SM90_HD128_STAGES : 2;
   // The consumer warpgroups take turns issuing their products (FA3's ping-pong, round robin):
-  // while one runs its softmax the others have the tensor cores. hd128: on, 650 vs 612 TFLOP/s at
-  // 8K and 540 vs 514 at 1K over the best earlier build without it (notes/prefill_hopper.md v4;
-  // an earlier 0.71x "loss" was ptxas serialising every wgmma, C7520, not the ping-pong).
+  // while one runs its softmax the others have the tensor cores. Same run (notes/prefill_hopper.md
+  // v4): hd128 674 vs 577 TFLOP/s at 8K, 547 vs 490 at 1K; hd64 (three consumers) 544 vs 519;
+  // hd256 773 vs 775 at 8K: off, as in FA3. (An earlier 0.71x "loss" was ptxas serialising every
+  // wgmma, C7520, not the ping-pong.)
   static constexpr bool kPingPong =
       (kHeadDim == 64 ? TESSERA_SM90_PINGPONG_HD64 : kHeadDim == 128 ? TESSERA_SM90_PINGPONG_HD128 : TESSERA_SM90_PINGPONG_HD256) != 0;
   // Q buffers. Two (the next work tile's Q loading during the whole current tile, not only its
-  // last P V) measured 0.89x at hd128 (8K: 556 vs 625 TFLOP/s, 2K 516 vs 576; notes v2), so one.
-  static constexpr int kQStages = 1;
+  // last P V) measure even with one at hd128 (v4, same run: 8K 668 vs 667, 1K causal 329 vs 332
+  // TFLOP/s; v2's 0.89x was likely the C7520 serialisation), so one: less shared memory.
+  static constexpr int kQStages = TESSERA_SM90_Q_STAGES;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+  static_assert(kBlockN % 8 == 0 && kBlockN / 8 <= 32, "a paged tile is at most 32 boxes: one per producer lane");
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
 };
 

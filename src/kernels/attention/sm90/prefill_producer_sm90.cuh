@@ -1,8 +1,9 @@
 // The producer warp of the Hopper prefill kernel: for each work tile, Q once, then K and V of its
-// KV tiles from the last to the first (the order the consumers take them), by TMA into the rings.
+// KV tiles from the last to the first (the order the consumers take them), by TMA into the rings
+// (the KV source, kv_source_sm90.cuh, says how a tile is copied).
 //
-// K / V boxes are cut from the whole ragged tensor, so the rows of a request's last, partial KV
-// tile past kv_len are the next request's rows (or zeros past the tensor's end). Their logits are
+// The rows of a request's last, partial KV tile past kv_len hold other data (the next request's
+// rows, the rest of a page, or an older tile when the paged source skips a box). Their logits are
 // masked, but P = 0 times a NaN or Inf there would still reach O through the tensor cores; the
 // conventions promise that keys past kv_len never do. So the producer zeroes those rows of the V
 // tile once it has landed (after issuing the next tile's copies, so nothing waits on it), and the
@@ -12,12 +13,13 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/attention/sm90/kv_source_sm90.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
 #include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
 
 namespace tessera::kernels::sm90 {
 
-template <typename T, typename Config, typename Scheduler>
+template <typename T, typename Config, typename Scheduler, typename KV>
 __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p,
                                                       const PrefillSm90Smem<T, Config>& smem) {
   using Smem = PrefillSm90Smem<T, Config>;
@@ -50,8 +52,10 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
   };
 
   for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
-    const WorkTile w = make_work_tile<kBlockM, kBlockN>(p, position);
+    const WorkTile w = make_work_tile<kBlockM, kBlockN, KV>(p, position);
     if (!w.has_rows() || w.kv_tiles() == 0) continue;
+    // What the first KV tile's copies read (paged: page ids), looked up before the waits.
+    auto where = KV::locate(p, w.kv_start, w.kv_len, (w.end_kv_tile - 1) * kBlockN, lane);
     const int q_slot = q_ring.stage;
     bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
     if (lane == 0) {
@@ -63,15 +67,11 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
       const int n0 = tile * kBlockN;
       const int s = ring.stage;
       bar.k_empty[s].wait(ring.phase ^ 1);
-      if (lane == 0) {
-        bar.k_full[s].arrive_expect_tx(Smem::KVTile::kBytes);
-        smem.k(s).load(&p.k_map, &bar.k_full[s], w.kv_head, w.kv_start + n0);
-      }
+      KV::load(p, &p.k_map, p.k_token_dim_first, smem.k(s), bar.k_full[s], w.kv_head, where, lane);
       bar.v_empty[s].wait(ring.phase ^ 1);
-      if (lane == 0) {
-        bar.v_full[s].arrive_expect_tx(Smem::KVTile::kBytes);
-        smem.v(s).load(&p.v_map, &bar.v_full[s], w.kv_head, w.kv_start + n0);
-      }
+      KV::load(p, &p.v_map, p.v_token_dim_first, smem.v(s), bar.v_full[s], w.kv_head, where, lane);
+      // The next tile's lookups go out now; the waits below and at the loop's top hide them.
+      if (tile > w.first_kv_tile) where = KV::locate(p, w.kv_start, w.kv_len, n0 - kBlockN, lane);
       __syncwarp();
       zero_pending();
       if (n0 + kBlockN > w.kv_len) pending = PendingZero{s, ring.phase, w.kv_len - n0};

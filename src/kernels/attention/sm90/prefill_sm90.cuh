@@ -3,7 +3,8 @@
 // Config::kConsumers consumer warpgroups of 64 query rows each; Q, K and V tiles come into shared
 // memory through a ring of mbarrier-guarded stages; setmaxnreg moves the registers the producer
 // does not need to the consumers. The scheduler says which tiles a CTA computes (one, or a
-// persistent walk over the list). The parts: prefill_producer_sm90.cuh (loads),
+// persistent walk over the list); the KV source where K and V come from (a ragged tensor or
+// pages). The parts: prefill_producer_sm90.cuh (loads), kv_source_sm90.cuh (K / V copies),
 // prefill_consumer_sm90.cuh (mainloop, softmax, epilogue), tile_scheduler_sm90.cuh (the order),
 // prefill_config_sm90.cuh (shapes, shared memory).
 #pragma once
@@ -24,7 +25,7 @@
 
 namespace tessera::kernels::sm90 {
 
-template <typename T, typename Config, typename Logits, typename Scheduler>
+template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ unsigned char raw_smem[];
   const PrefillSm90Smem<T, Config> smem(raw_smem);
@@ -51,13 +52,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
   const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Config::kProducerRegisters>();
-    if (threadIdx.x < 32) prefill_producer_warp<T, Config, Scheduler>(p, smem);
+    if (threadIdx.x < 32) prefill_producer_warp<T, Config, Scheduler, KV>(p, smem);
   } else {
     warpgroup_registers_increase<Config::kConsumerRegisters>();
     PrefillConsumer<T, Config, Logits> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
     for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
-      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN>(p, position);
+      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV>(p, position);
       if (w.has_rows()) consumer.compute(w);
     }
     consumer.finish_turns();
@@ -69,15 +70,27 @@ constexpr DType dtype_of() {
   return std::is_same<T, __nv_bfloat16>::value ? DType::kBF16 : DType::kFP16;
 }
 
-template <typename T, typename Config, typename Logits, typename Scheduler>
+template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 void launch_prefill_sm90_variant(const PrefillSm90Params& params, int grid, cudaStream_t stream) {
   constexpr int kSmemBytes = PrefillSm90Smem<T, Config>::kBytes;
-  auto kernel = prefill_sm90_kernel<T, Config, Logits, Scheduler>;
+  auto kernel = prefill_sm90_kernel<T, Config, Logits, Scheduler, KV>;
   static tessera::detail::OncePerDevice smem_limit_raised;
   smem_limit_raised([&] {
     TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   });
   kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(params);
+}
+
+// The kernel for (logits, scheduler) over the KV source.
+template <typename T, typename Config, typename KV>
+void launch_prefill_sm90_source(const PrefillSm90Params& params, bool persistent, int grid, cudaStream_t stream) {
+  if (params.base.soft_cap > 0.f) {
+    if (persistent) launch_prefill_sm90_variant<T, Config, SoftCappedLogits, StaticPersistentScheduler, KV>(params, grid, stream);
+    else launch_prefill_sm90_variant<T, Config, SoftCappedLogits, SingleTileScheduler, KV>(params, grid, stream);
+  } else {
+    if (persistent) launch_prefill_sm90_variant<T, Config, PlainLogits, StaticPersistentScheduler, KV>(params, grid, stream);
+    else launch_prefill_sm90_variant<T, Config, PlainLogits, SingleTileScheduler, KV>(params, grid, stream);
+  }
 }
 
 template <typename T, int kHeadDim>
@@ -93,20 +106,26 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
   params.run_length = std::max(1, schedule.run_length);
-  const RaggedTensorMaps maps = ragged_tensor_maps(dtype_of<T>(), base, kHeadDim, Config::kBlockM, Config::kBlockN);
-  params.q_map = maps.q;
-  params.k_map = maps.k;
-  params.v_map = maps.v;
+  if (base.paged) {
+    const PagedTensorMaps maps = paged_tensor_maps(dtype_of<T>(), base, kHeadDim, Config::kBlockM, Config::kBlockN);
+    params.q_map = maps.q;
+    params.k_map = maps.k;
+    params.v_map = maps.v;
+    params.kv_box_rows = maps.kv_box_rows;
+    params.kv_tile_rows = Config::kBlockN;
+    params.k_token_dim_first = maps.k_token_dim_first;
+    params.v_token_dim_first = maps.v_token_dim_first;
+  } else {
+    const RaggedTensorMaps maps = ragged_tensor_maps(dtype_of<T>(), base, kHeadDim, Config::kBlockM, Config::kBlockN);
+    params.q_map = maps.q;
+    params.k_map = maps.k;
+    params.v_map = maps.v;
+  }
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
   const int grid = persistent ? std::min(runs, num_sms) : params.tiles;
-  if (base.soft_cap > 0.f) {
-    if (persistent) launch_prefill_sm90_variant<T, Config, SoftCappedLogits, StaticPersistentScheduler>(params, grid, stream);
-    else launch_prefill_sm90_variant<T, Config, SoftCappedLogits, SingleTileScheduler>(params, grid, stream);
-  } else {
-    if (persistent) launch_prefill_sm90_variant<T, Config, PlainLogits, StaticPersistentScheduler>(params, grid, stream);
-    else launch_prefill_sm90_variant<T, Config, PlainLogits, SingleTileScheduler>(params, grid, stream);
-  }
+  if (base.paged) launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
+  else launch_prefill_sm90_source<T, Config, RaggedKVSm90>(params, persistent, grid, stream);
 }
 
 }  // namespace tessera::kernels::sm90

@@ -11,14 +11,19 @@ namespace tessera::kernels::sm90 {
 
 struct PrefillSm90Params {
   CUtensorMap q_map;  // [total_q, num_qo_heads, head_dim], box 64 x 1 x kBlockM
-  CUtensorMap k_map;  // [total_kv, num_kv_heads, head_dim], box 64 x 1 x kBlockN
-  CUtensorMap v_map;
+  CUtensorMap k_map;  // ragged: [total_kv, num_kv_heads, head_dim], box 64 x 1 x kBlockN;
+  CUtensorMap v_map;  // paged: 4-D over the pages, box_rows-row boxes (kv_source_sm90.cuh)
   PrefillParams base;
   int m_tiles = 0;       // query tiles of the longest request
   int tiles = 0;         // list length: batch x heads x m_tiles
   TileOrder order = TileOrder::kQueryTilesInner;
   bool heavy_first = false;
   int run_length = 1;
+  // Paged K / V: rows per TMA box (gcd(page_size, kBlockN)) and whether a map's second dim is
+  // the page's token dim (HND: tokens are closer than heads) rather than its head dim (NHD).
+  int kv_box_rows = 0;
+  int kv_tile_rows = 0;  // kBlockN
+  bool k_token_dim_first = false, v_token_dim_first = false;
 };
 
 }  // namespace tessera::kernels::sm90

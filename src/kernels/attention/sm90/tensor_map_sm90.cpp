@@ -53,7 +53,61 @@ CUtensorMap ragged_map(const char* what, DType dtype, const void* data, int64_t 
   return map;
 }
 
+// One page tensor: dims (innermost first) head_dim, the head / token dims in stride order, pages;
+// strides in elements. A dimension of extent 1 takes the dense stride (see ragged_map).
+CUtensorMap paged_map(const char* what, DType dtype, const void* data, const PrefillParams& p, int head_dim,
+                      int64_t head_stride, int64_t token_stride, int64_t page_stride, bool token_first,
+                      int box_rows) {
+  CUtensorMap map;
+  const int64_t esize = 2;
+  const int64_t heads = p.num_kv_heads, tokens = p.page_size;
+  const int64_t pages = std::max<int64_t>(p.num_pages, 1);
+  const int64_t extent1 = token_first ? tokens : heads, extent2 = token_first ? heads : tokens;
+  int64_t stride1 = (token_first ? token_stride : head_stride) * esize;
+  int64_t stride2 = (token_first ? head_stride : token_stride) * esize;
+  int64_t stride3 = page_stride * esize;
+  if (extent1 == 1) stride1 = int64_t(head_dim) * esize;
+  if (extent2 == 1) stride2 = stride1 * extent1;
+  if (pages == 1) stride3 = stride2 * extent2;
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(extent1), cuuint64_t(extent2), cuuint64_t(pages)};
+  const cuuint64_t strides[3] = {cuuint64_t(stride1), cuuint64_t(stride2), cuuint64_t(stride3)};
+  const cuuint32_t box[4] = {64, token_first ? cuuint32_t(box_rows) : 1u, token_first ? 1u : cuuint32_t(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode_function()(
+      &map, dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw Error(std::string("tessera: the copy engine cannot describe ") + what + " (cuTensorMapEncodeTiled error " +
+                std::to_string(int(r)) + ": page stride " + std::to_string(page_stride) + ", token stride " +
+                std::to_string(token_stride) + ", head stride " + std::to_string(head_stride) + " elements)");
+  }
+  return map;
+}
+
+int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
+
 }  // namespace
+
+PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
+                                  int kv_tile_rows) {
+  if (p.page_size % 8 != 0) {
+    throw Error("tessera: the Hopper prefill family reads pages of a multiple of 8 tokens; page_size is " +
+                std::to_string(p.page_size));
+  }
+  PagedTensorMaps maps;
+  maps.q = ragged_map("q", dtype, p.q, p.q_rows, p.num_qo_heads, head_dim, p.q_stride_row, p.q_stride_head,
+                      q_box_rows);
+  maps.kv_box_rows = gcd(p.page_size, kv_tile_rows);
+  // The token dim goes second when it is the closer one in memory (HND pages, or one head).
+  maps.k_token_dim_first = p.num_kv_heads > 1 && int64_t(p.k_stride_token) < p.k_stride_head;
+  maps.v_token_dim_first = p.num_kv_heads > 1 && int64_t(p.v_stride_token) < p.v_stride_head;
+  maps.k = paged_map("k_pages", dtype, p.k, p, head_dim, p.k_stride_head, p.k_stride_token, p.k_stride_page,
+                     maps.k_token_dim_first, maps.kv_box_rows);
+  maps.v = paged_map("v_pages", dtype, p.v, p, head_dim, p.v_stride_head, p.v_stride_token, p.v_stride_page,
+                     maps.v_token_dim_first, maps.kv_box_rows);
+  return maps;
+}
 
 RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                     int kv_box_rows) {

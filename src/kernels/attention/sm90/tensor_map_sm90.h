@@ -20,4 +20,19 @@ struct RaggedTensorMaps {
 RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                     int kv_box_rows);
 
+struct PagedTensorMaps {
+  CUtensorMap q, k, v;
+  int kv_box_rows = 0;           // rows per K / V box: gcd(page_size, kv_tile_rows)
+  bool k_token_dim_first = false;  // k's second dim is the token dim (else the head dim)
+  bool v_token_dim_first = false;
+};
+
+// q as ragged_tensor_maps; k and v as 4-D maps over the pages, innermost first: head_dim, then
+// the page's head and token dims ordered by stride (NHD: head, token; HND: token, head), then
+// pages; boxes of 64 x box_rows rows of one head in one page. Requires page_size % 8 == 0 (the
+// dispatcher's rule for this family) and throws tessera::Error otherwise or if the driver
+// rejects a map.
+PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
+                                  int kv_tile_rows);
+
 }  // namespace tessera::kernels::sm90

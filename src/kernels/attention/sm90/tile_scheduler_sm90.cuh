@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/common/mask.cuh"
+#include "kernels/attention/sm90/kv_source_sm90.cuh"
 #include "kernels/attention/sm90/prefill_sm90_params.h"
 
 namespace tessera::kernels::sm90 {
@@ -22,7 +23,7 @@ struct WorkTile {
   int request, head, kv_head;
   int m0;
   int q_start, qo_len;
-  int kv_start, kv_len;
+  int kv_start, kv_len;  // kv_start: the request's first K / V row, or first kv_indices entry (paged)
   MaskBand band;
   int first_kv_tile, end_kv_tile;
 
@@ -53,13 +54,7 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
-// A value every lane of the warp holds, as lane 0's: the compiler then knows it is uniform. Every
-// branch of the consumers' tile loop must be uniform in its eyes, or ptxas serialises all their
-// wgmma ("C7520: wgmma.mma_async instructions are serialized due to ... divergent path"): loop
-// bounds read from memory count as divergent unless they pass through a shuffle.
-__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
-
-template <int kBlockM, int kBlockN>
+template <int kBlockM, int kBlockN, typename KV>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
   WorkTile w;
   int m_tile;
@@ -68,8 +63,7 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   w.m0 = m_tile * kBlockM;
   w.q_start = warp_uniform(p.base.qo_indptr[w.request]);
   w.qo_len = warp_uniform(p.base.qo_indptr[w.request + 1]) - w.q_start;
-  w.kv_start = warp_uniform(p.base.kv_indptr[w.request]);
-  w.kv_len = warp_uniform(p.base.kv_indptr[w.request + 1]) - w.kv_start;
+  KV::extent(p, w.request, w.kv_start, w.kv_len);
   w.band = MaskBand{w.qo_len, w.kv_len, w.kv_len - w.qo_len, p.base.causal, p.base.window_left};
   const int last_row = min(w.m0 + kBlockM, w.qo_len) - 1;
   const int n_begin = w.band.key_begin(w.m0);

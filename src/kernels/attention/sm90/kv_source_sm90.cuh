@@ -1,0 +1,99 @@
+// Where the Hopper prefill kernel's K and V come from: a request's extent (WorkTile::kv_start and
+// kv_len) and the producer warp's copy of one KV tile into the ring.
+//   RaggedKVSm90: a ragged [total_kv, heads, head_dim] tensor (k_map / v_map 3-D); kv_start is the
+//     request's first row; a tile is one TMA box of kBlockN rows per 64-column block.
+//   PagedKVSm90: pages [num_pages, page_size, heads, head_dim] (NHD) or [num_pages, heads,
+//     page_size, head_dim] (HND) behind 4-D maps (the layout is only the maps' dim order and
+//     strides); kv_start is the request's first entry of kv_indices. A tile of kBlockN keys is
+//     kBlockN / box_rows boxes of box_rows = gcd(page_size, kBlockN) rows (a multiple of 8: each
+//     box lies inside one page and starts on a 1024-byte swizzle atom); lane j of the producer
+//     warp looks up box j's page and copies it, so a tile costs one index load per lane.
+// Keys past kv_len: ragged, the next request's rows; paged, the rest of the last page, and boxes
+// wholly past kv_len are not copied (their shared memory keeps an older tile). The consumers mask
+// those logits and the producer zeroes those V rows (prefill_producer_sm90.cuh), so neither
+// reaches O.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/attention/sm90/prefill_sm90_params.h"
+#include "kernels/common/tma_sm90.cuh"
+
+namespace tessera::kernels::sm90 {
+
+// A value every lane of the warp holds, as lane 0's: the compiler then knows it is uniform. Every
+// branch of the consumers' tile loop must be uniform in its eyes, or ptxas serialises all their
+// wgmma ("C7520: wgmma.mma_async instructions are serialized due to ... divergent path"): loop
+// bounds read from memory count as divergent unless they pass through a shuffle.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
+// A KV source is used in two steps per tile, so the paged page-id loads of the next tile can be in
+// flight while the producer waits for ring slots (each lookup is a dependent global load):
+//   Where where = KV::locate(p, kv_start, kv_len, n0, lane);   // what to copy (lane's share)
+//   KV::load(p, map, token_first, tile, full, kv_head, where, lane);  // K, then V, same `where`
+struct RaggedKVSm90 {
+  static constexpr bool kPaged = false;
+  __device__ static void extent(const PrefillSm90Params& p, int request, int& kv_start, int& kv_len) {
+    kv_start = warp_uniform(p.base.kv_indptr[request]);
+    kv_len = warp_uniform(p.base.kv_indptr[request + 1]) - kv_start;
+  }
+  struct Where {
+    int row;  // the tile's first row in the ragged tensor
+  };
+  __device__ static Where locate(const PrefillSm90Params& /*p*/, int kv_start, int /*kv_len*/, int n0, int /*lane*/) {
+    return Where{kv_start + n0};
+  }
+  // The tile's keys of kv_head into `tile`, completing on `full`.
+  template <typename Tile>
+  __device__ static void load(const PrefillSm90Params& /*p*/, const CUtensorMap* map, bool /*token_first*/,
+                              const Tile& tile, Mbarrier& full, int kv_head, const Where& where, int lane) {
+    if (lane == 0) {
+      full.arrive_expect_tx(Tile::kBytes);
+      tile.load(map, &full, kv_head, where.row);
+    }
+  }
+};
+
+struct PagedKVSm90 {
+  static constexpr bool kPaged = true;
+  __device__ static void extent(const PrefillSm90Params& p, int request, int& kv_start, int& kv_len) {
+    kv_start = warp_uniform(p.base.kv_indptr[request]);
+    const int pages = warp_uniform(p.base.kv_indptr[request + 1]) - kv_start;
+    kv_len = pages == 0 ? 0 : (pages - 1) * p.base.page_size + warp_uniform(p.base.kv_last_page_len[request]);
+  }
+  struct Where {
+    int boxes;  // boxes of the tile that hold keys (the same for every lane), at most 32
+    int row;    // this lane's box (lane < boxes): its first row in the tile, page id and token
+    int page, token;
+  };
+  // Lane j takes box j; kBlockN / gcd(page_size, kBlockN) <= kBlockN / 8 <= 32 boxes.
+  __device__ static Where locate(const PrefillSm90Params& p, int kv_start, int kv_len, int n0, int lane) {
+    const int box_rows = p.kv_box_rows;
+    Where where;
+    where.boxes = (min(kv_len - n0, p.kv_tile_rows) + box_rows - 1) / box_rows;  // >= 1: the tile meets a key
+    where.row = lane * box_rows;
+    where.page = 0;
+    where.token = 0;
+    if (lane < where.boxes) {
+      const unsigned key = unsigned(n0 + where.row);
+      const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
+      where.page = p.base.kv_indices[kv_start + int(page_of_key)];
+      where.token = int(key - page_of_key * unsigned(p.base.page_size));
+    }
+    return where;
+  }
+  // token_first: the map's second dim is the token dim (PrefillSm90Params::k/v_token_dim_first).
+  template <typename Tile>
+  __device__ static void load(const PrefillSm90Params& p, const CUtensorMap* map, bool token_first, const Tile& tile,
+                              Mbarrier& full, int kv_head, const Where& where, int lane) {
+    // The expected bytes are announced before any copy can complete on the barrier.
+    if (lane == 0) full.arrive_expect_tx(uint32_t(where.boxes) * p.kv_box_rows * 128 * Tile::kColBlocks);
+    __syncwarp();
+    if (lane < where.boxes) {
+      if (token_first) tile.load_page_rows(map, &full, where.row, where.token, kv_head, where.page);
+      else tile.load_page_rows(map, &full, where.row, kv_head, where.token, where.page);
+    }
+  }
+};
+
+}  // namespace tessera::kernels::sm90
