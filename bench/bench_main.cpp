@@ -621,6 +621,17 @@ int bench_prefill_plan(const Args& a) {
   const size_t q_bytes = size_t(q_rows) * qh * d * 2, lse_bytes = size_t(q_rows) * qh * 4;
   const int rot = rotations_for(2.0 * double(host_table.tokens) * kh * d * 2 + 2.0 * q_bytes + lse_bytes);
   const std::vector<PagedSet> sets = random_paged_sets(rot, pool_bytes, q_bytes, lse_bytes);
+  // split=1 (default): BatchPrefillPaged, planned once (the KV split it picks); split=0: the
+  // unsplit batch_prefill_paged.
+  const bool use_split = arg_int(a, "split", "1") != 0;
+  PagedPrefillConfig pcfg;
+  pcfg.num_qo_heads = qh;
+  pcfg.head_dim = d;
+  pcfg.page_size = P;
+  pcfg.max_q_rows = static_cast<int>(q_rows);
+  Buffer split_ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(pcfg), 256));
+  BatchPrefillPaged prefill(pcfg, split_ws.get(), split_ws.bytes());
+  prefill.plan(qo_indptr.data(), device_table.table);
   auto run_step = [&](int i) {
     const PagedSet& st = sets[i % rot];
     PagedPrefillArgs pa;
@@ -632,15 +643,17 @@ int bench_prefill_plan(const Args& a) {
     pa.o = TensorView::contiguous(st.o->get(), DType::kBF16, {q_rows, qh, d});
     pa.lse = TensorView::contiguous(st.lse->get(), DType::kFP32, {q_rows, qh});
     pa.causal = causal;
-    batch_prefill_paged(pa, nullptr);
+    if (use_split) prefill.run(pa, nullptr);
+    else batch_prefill_paged(pa, nullptr);
   };
   const double ms = median_ms(run_step, 3, 20);
   const double flops = 4.0 * qh * d * pairs;
   std::printf("{\"suite\": \"prefill_plan\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
               "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
-              "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\"}\n",
+              "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d}\n",
               arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
-              static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout));
+              static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout),
+              use_split ? prefill.last_plan().kv_splits : 1);
   return 0;
 }
 

@@ -1,6 +1,7 @@
 // Exact attention over ragged batches (prefill / extend).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "tessera/kv_cache.h"
@@ -75,5 +76,57 @@ void batch_prefill_paged(const PagedPrefillArgs& args, cudaStream_t stream);
 
 // The family kAuto picks for this paged problem on the current GPU (without running anything).
 AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args);
+// Paged prefill / extend with plan / run and a KV split: where a step's query tiles alone under-
+// fill the GPU (a short chunk of new tokens over a long history, few heads), plan() splits every
+// query tile's keys into runs processed by their own CTAs, whose fp32 partial states run() merges
+// (one more launch). The split count is uniform over the step, chosen from the query tiles, the
+// SM count and the longest request's keys; a request with few keys then has empty runs, which
+// cost one CTA start each. The KV split runs on the portable family; on sm_90 plan() splits only
+// where the Hopper family's unsplit grid has fewer query tiles than SMs (measured on the H200:
+// 128-token chunks over 8K-64K at 1-2 requests run 2-4x faster split on the portable kernel, from
+// one Hopper wave on the unsplit Hopper kernel wins), and never when config.path is kHopper.
+// The caller owns the workspace (workspace_bytes(config)).
+//
+//   tessera::BatchPrefillPaged prefill(config, ws, tessera::BatchPrefillPaged::workspace_bytes(config));
+//   per step: prefill.plan(host_qo_indptr, table);   per layer: prefill.run(args, stream);
+//
+// Not yet: CUDA-graph capture of run() (its grid follows the step), a KV split on the Hopper family.
+struct PagedPrefillConfig {
+  int num_qo_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;        // of the cache run() gets
+  int max_q_rows = 0;       // query rows of a step (total_q), at most
+  int max_kv_splits = 16;   // the split count never exceeds this (it sizes the workspace)
+  AttentionPath path = AttentionPath::kAuto;  // the family run() may use (run()'s args.path must agree)
+};
+
+struct PagedPrefillPlanInfo {
+  int kv_splits = 1;        // runs per query tile (1: no split, no partials, no merge)
+  int64_t query_tiles = 0;  // (request, head, 128-row tile) CTAs of the portable unsplit grid with rows
+  AttentionPath path = AttentionPath::kAuto;  // the family run() takes (kAuto: batch_prefill_paged's choice)
+};
+
+class BatchPrefillPaged {
+ public:
+  static std::size_t workspace_bytes(const PagedPrefillConfig& config);
+  BatchPrefillPaged(const PagedPrefillConfig& config, void* workspace, std::size_t workspace_size);
+
+  // Once per step, on the host: the query lengths (host_qo_indptr, [batch + 1]) and the page
+  // table's host copies decide the split. Allocates nothing, touches no device memory.
+  void plan(const int32_t* host_qo_indptr, const PageTable& table);
+  // Per layer: the arguments of batch_prefill_paged for the planned step (validated the same way;
+  // their qo_indptr / page table must be the planned ones).
+  void run(const PagedPrefillArgs& args, cudaStream_t stream);
+  PagedPrefillPlanInfo last_plan() const { return info_; }
+
+ private:
+  PagedPrefillConfig config_;
+  float* workspace_ = nullptr;
+  bool planned_ = false;
+  int64_t planned_rows_ = 0;
+  int num_sms_ = 0;
+  bool hopper_reads_pages_ = false;  // the Hopper family runs this config's paged prefill here
+  PagedPrefillPlanInfo info_;
+};
 
 }  // namespace tessera

@@ -6,6 +6,7 @@
 
 #include "core/arg_check.h"
 #include "api/attention_checks.h"
+#include "api/paged_prefill_params.h"
 #include "core/fast_divisor.h"
 #include "format/bsr.h"
 #include "dispatch/prefill_dispatch.h"
@@ -221,12 +222,13 @@ AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args) {
                      paged_problem(args));
 }
 
-void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
-  const detail::ArgCheck check("batch_prefill_paged");
+namespace detail {
+
+kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPrefillArgs& a, AttentionPath& path) {
   validate_paged(check, a);
   const PagedKVCache& c = a.cache;
   const int head_dim = static_cast<int>(a.q.size(2));
-  const AttentionPath path = choose_path("batch_prefill_paged", a.path, a.q.dtype, head_dim, paged_problem(a));
+  path = choose_path(check.entry_point(), a.path, a.q.dtype, head_dim, paged_problem(a));
 
   int64_t max_kv = 0;
   for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
@@ -256,12 +258,26 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
   p.q_rows = a.q.size(0);
   p.num_pages = c.num_pages();
+  return p;
+}
+
+void launch_paged_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
+                          cudaStream_t stream) {
   if (path == AttentionPath::kHopper) {
-    kernels::sm90::launch_prefill_sm90(a.q.dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
+    kernels::sm90::launch_prefill_sm90(dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
                                        dispatch::sm_count(), stream);
   } else {
-    kernels::launch_prefill_sm80(a.q.dtype, head_dim, p, stream);
+    kernels::launch_prefill_sm80(dtype, head_dim, p, stream);
   }
+}
+
+}  // namespace detail
+
+void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
+  const detail::ArgCheck check("batch_prefill_paged");
+  AttentionPath path = AttentionPath::kAuto;
+  const kernels::PrefillParams p = detail::paged_prefill_params(check, a, path);
+  detail::launch_paged_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
 }
 
 namespace {

@@ -24,6 +24,7 @@ namespace tessera::detail {
 class ArgCheck {
  public:
   explicit ArgCheck(const char* entry_point) : entry_(entry_point) {}
+  const char* entry_point() const { return entry_; }
 
   [[noreturn]] void fail(const char* arg, const std::string& rule) const;
   // Prefer TESSERA_REQUIRE (below), which builds the message only on failure: entry points run

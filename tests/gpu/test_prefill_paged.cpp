@@ -538,6 +538,58 @@ TEST(GpuPrefillPaged, RepeatBitwise) {
 }
 
 // ---- 6. Bad input ------------------------------------------------------------------------------------
+// ---- BatchPrefillPaged: the KV split ------------------------------------------------------------------
+// Chunked prefill that under-fills the GPU (a few query tiles over long histories) runs split
+// into key runs whose partial states are merged; results against the reference, bitwise repeatable,
+// and the same as the unsplit batch_prefill_paged within the tolerance rule. Mixed batches (a
+// prefill chunk beside decode-like requests of 1 token, a request without keys) in one plan.
+TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
+  TESSERA_REQUIRE_GPU();
+  struct Shape {
+    std::vector<int> qo_len, kv_len;
+    int kv_heads, qo_heads;
+    bool causal;
+  };
+  const std::vector<Shape> shapes = {
+      {{128}, {32768}, 8, 32, true},                      // one chunk of 128 over 32K
+      {{97, 300}, {20000, 5000}, 2, 8, true},             // awkward lengths
+      {{512, 1, 1, 0, 3}, {16384, 4096, 1, 700, 0}, 1, 8, true},  // mixed, with empty ones
+      {{128, 128}, {9000, 9000}, 4, 16, false},           // non-causal
+  };
+  uint32_t seed = 900;
+  for (const Shape& sh : shapes) {
+    PagedCase c;
+    pick_compiled(c.kv.head_dim, c.kv.dtype);
+    c.kv.page_size = 16;
+    c.kv.num_kv_heads = sh.kv_heads;
+    c.num_qo_heads = sh.qo_heads;
+    c.qo_len = sh.qo_len;
+    c.kv_len = sh.kv_len;
+    c.causal = sh.causal;
+    SCOPED_TRACE(describe(c));
+    PagedProblem p(c, seed++);
+    PagedPrefillConfig cfg;
+    cfg.num_qo_heads = c.num_qo_heads;
+    cfg.head_dim = c.kv.head_dim;
+    cfg.page_size = c.kv.page_size;
+    cfg.max_q_rows = static_cast<int>(p.q.rows);
+    DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
+    BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+    const PagedPrefillArgs a = p.args();
+    prefill.plan(a.host_qo_indptr, a.table);
+    auto run = [&] {
+      p.poison();
+      prefill.run(a, nullptr);
+      if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("run() failed on the GPU");
+      return fetch(p.o, p.lse, p.out_shape());
+    };
+    const Outputs split = run();
+    EXPECT_GT(prefill.last_plan().kv_splits, 1) << "the case under-fills the GPU and should be split";
+    check_against(split, p.expected(), "split paged prefill");
+    EXPECT_TRUE(bitwise_equal(split, run())) << "a second run() of the same plan differs";
+  }
+}
+
 TEST(GpuPrefillPagedBadInput, ArgumentsAreValidated) {
   TESSERA_REQUIRE_GPU();
   PagedCase c;

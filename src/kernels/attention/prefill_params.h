@@ -50,6 +50,13 @@ struct PrefillParams {
   // Logits: s = scale * q.k; with soft_cap > 0, s = soft_cap * tanh(s / soft_cap).
   float scale = 0.f;
   float soft_cap = 0.f;
+  // Split-KV (kv_splits > 1, portable family): each query tile's visible KV tiles are cut into
+  // kv_splits equal runs, one CTA each, which write fp32 partial states (O normalised, natural-log
+  // LSE; no visible key: O = 0, LSE = -inf) to partial_o [kv_splits, q_rows, num_qo_heads,
+  // head_dim] and partial_lse [kv_splits, q_rows, num_qo_heads]; the caller merges them.
+  int kv_splits = 1;
+  float* partial_o = nullptr;
+  float* partial_lse = nullptr;
 };
 
 // Portable (sm_80+) kernel family. dtype: bf16 or fp16; head_dim: 64, 128 or 256 (as compiled,

@@ -23,7 +23,8 @@ namespace tessera::kernels::sm80 {
 template <typename T, typename Config, typename Softmax>
 __device__ __forceinline__ void prefill_epilogue(const PrefillParams& p, const AccTile<Config::kODims> (&o)[Config::kMTiles],
                                                  Softmax& softmax, const PrefillWarp<Config>& w, float* exchange,
-                                                 float log2_scale, int q_start, int qo_len, int head, int m0) {
+                                                 float log2_scale, int q_start, int qo_len, int head, int m0,
+                                                 int split) {
   constexpr int kMTiles = Config::kMTiles, kBlockM = Config::kBlockM;
   auto& row_sum = softmax.row_sum;
   T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
@@ -58,6 +59,19 @@ __device__ __forceinline__ void prefill_epilogue(const PrefillParams& p, const A
       const float inv_sum = state_inv_sum(l);
       const int row = m0 + w.tile_row(mt) + w.g + 8 * r;
       if (row >= qo_len) continue;
+      if (p.partial_o != nullptr) {  // a split's partial state (fp32), merged by the caller
+        const int64_t state = (int64_t(split) * p.q_rows + q_start + row) * p.num_qo_heads + head;
+        float* po = p.partial_o + state * Config::kHeadDim + w.half * Config::kODims;
+#pragma unroll
+        for (int d = 0; d < Config::kODTiles; ++d) {
+          *reinterpret_cast<float2*>(po + d * 8 + 2 * w.t) =
+              make_float2(o[mt].v[d][2 * r] * inv_sum, o[mt].v[d][2 * r + 1] * inv_sum);
+        }
+        if (w.t == 0 && w.half == 0) {
+          p.partial_lse[state] = l == 0.f ? -INFINITY : Log2Units::lse(softmax.row_max[mt][r] * log2_scale, l);
+        }
+        continue;
+      }
       T* o_row = o_head + int64_t(row) * p.o_stride_row + w.half * Config::kODims;
 #pragma unroll
       for (int d = 0; d < Config::kODTiles; ++d) {

@@ -19,14 +19,18 @@ struct PrefillWorkTile {
   int request, head;
   int q_start, qo_len;
   int m0;
+  int split;  // which of params.kv_splits runs of the tile's KV tiles (0 without a split)
   __device__ __forceinline__ bool has_rows() const { return m0 < qo_len; }
 };
 
 template <int kBlockM>
 __device__ __forceinline__ PrefillWorkTile prefill_work_tile(const PrefillParams& p) {
   const bool tiles_last = p.grid_tiles_last;
-  const int m_tile = tiles_last ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x;
+  // The tile dim holds m_tiles x kv_splits: a tile's splits are neighbours in launch order.
+  const int slot = tiles_last ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x;
+  const int m_tile = slot / p.kv_splits;
   PrefillWorkTile w;
+  w.split = slot - m_tile * p.kv_splits;
   w.request = blockIdx.y;
   w.head = tiles_last ? blockIdx.x : blockIdx.z;
   w.q_start = p.qo_indptr[w.request];
@@ -37,9 +41,10 @@ __device__ __forceinline__ PrefillWorkTile prefill_work_tile(const PrefillParams
 
 // The grid of m_tiles query tiles per (request, head), and its order in params.grid_tiles_last.
 inline dim3 prefill_grid(PrefillParams& params, int m_tiles) {
-  params.grid_tiles_last = params.causal && m_tiles <= 65535;  // grid z holds at most 65535
-  return params.grid_tiles_last ? dim3(params.num_qo_heads, params.batch_size, m_tiles)
-                                : dim3(m_tiles, params.batch_size, params.num_qo_heads);
+  const int slots = m_tiles * params.kv_splits;
+  params.grid_tiles_last = params.causal && slots <= 65535;  // grid z holds at most 65535
+  return params.grid_tiles_last ? dim3(params.num_qo_heads, params.batch_size, slots)
+                                : dim3(slots, params.batch_size, params.num_qo_heads);
 }
 
 }  // namespace tessera::kernels::sm80

@@ -67,8 +67,13 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int last_row = min(m0 + kBlockM, qo_len) - 1;
   const int n_begin = band.key_begin(m0);
   const int n_end = band.key_end(last_row);
-  const int first_tile = n_begin / kBlockN;
-  const int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
+  int first_tile = n_begin / kBlockN;
+  int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
+  if (p.kv_splits > 1) {  // this CTA's run of them (possibly none: it then writes an empty state)
+    const int per_split = (end_tile - first_tile + p.kv_splits - 1) / p.kv_splits;
+    first_tile = min(end_tile, first_tile + work.split * per_split);
+    end_tile = min(end_tile, first_tile + per_split);
+  }
 
   AccTile<Config::kODims> o[kMTiles] = {};  // this warp's unnormalised O: its rows, its head dims
   PrefillRowSoftmax<Config> softmax;
@@ -105,7 +110,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     mainloop.accumulate(s, o, wp, {p_store, p_load}, {p_own, p_partner});
   }
   cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
-  prefill_epilogue<T, Config>(p, o, softmax, wp, exchange, logits.log2_scale, q_start, qo_len, head, m0);
+  prefill_epilogue<T, Config>(p, o, softmax, wp, exchange, logits.log2_scale, q_start, qo_len, head, m0,
+                              work.split);
 }
 
 template <typename T, typename Config, typename Logits, typename KV>

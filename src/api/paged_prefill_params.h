@@ -1,0 +1,20 @@
+// The paged prefill's validation and kernel parameters, shared by batch_prefill_paged and
+// BatchPrefillPaged (which adds the KV split).
+#pragma once
+
+#include "core/arg_check.h"
+#include "kernels/attention/prefill_params.h"
+#include "tessera/attention.h"
+
+namespace tessera::detail {
+
+// Validates the arguments (tessera::Error naming the entry point and argument), picks the family
+// (`path`: args.path, or the dispatcher's choice for kAuto) and returns the kernels' parameters
+// for them (no split).
+kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPrefillArgs& args, AttentionPath& path);
+
+// Launches the unsplit paged prefill (or, with p.kv_splits > 1, the portable family's split) on `path`.
+void launch_paged_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
+                          cudaStream_t stream);
+
+}  // namespace tessera::detail
