@@ -550,11 +550,13 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
     int kv_heads, qo_heads;
     bool causal;
   };
+  // Every shape has fewer query tiles than the H200 has SMs on either family, so plan() splits
+  // (the CPU reference bounds the sizes: its fp64 and low-precision passes run on one core).
   const std::vector<Shape> shapes = {
-      {{128}, {32768}, 8, 32, true},                      // one chunk of 128 over 32K
-      {{97, 300}, {20000, 5000}, 2, 8, true},             // awkward lengths
-      {{512, 1, 1, 0, 3}, {16384, 4096, 1, 700, 0}, 1, 8, true},  // mixed, with empty ones
-      {{128, 128}, {9000, 9000}, 4, 16, false},           // non-causal
+      {{128}, {16384}, 2, 8, true},                       // one chunk of 128 over 16K
+      {{97, 300}, {9000, 5000}, 2, 8, true},              // awkward lengths
+      {{512, 1, 1, 0, 3}, {6000, 4096, 1, 700, 0}, 1, 8, true},  // mixed, with empty ones
+      {{128, 128}, {9000, 9000}, 2, 8, false},            // non-causal
   };
   uint32_t seed = 900;
   for (const Shape& sh : shapes) {
@@ -585,8 +587,50 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
     };
     const Outputs split = run();
     EXPECT_GT(prefill.last_plan().kv_splits, 1) << "the case under-fills the GPU and should be split";
+    EXPECT_EQ(prefill.last_plan().path, AttentionPath::kPortable) << "the KV split is the portable family's";
     check_against(split, p.expected(), "split paged prefill");
     EXPECT_TRUE(bitwise_equal(split, run())) << "a second run() of the same plan differs";
+  }
+}
+
+// A step whose query tiles fill the GPU is not split; where the Hopper family reads the pages it
+// then runs there (plan() only: no reference needed). Forcing Hopper never splits.
+TEST(GpuPrefillPagedSplit, FullStepsAreNotSplit) {
+  TESSERA_REQUIRE_GPU();
+  const int batch = 16, qo = 128, pages_per_request = 4096 / 16;
+  std::vector<int32_t> qo_indptr(batch + 1), kv_indptr(batch + 1), indices(batch * pages_per_request), last(batch, 16);
+  for (int r = 0; r <= batch; ++r) {
+    qo_indptr[r] = r * qo;
+    kv_indptr[r] = r * pages_per_request;
+  }
+  std::iota(indices.begin(), indices.end(), 0);
+  DeviceBuffer d_indptr(kv_indptr.size() * 4), d_indices(indices.size() * 4), d_last(last.size() * 4);
+  PageTable table;
+  table.indptr = TensorView::contiguous(d_indptr.get(), DType::kInt32, {batch + 1});
+  table.indices = TensorView::contiguous(d_indices.get(), DType::kInt32, {int64_t(indices.size())});
+  table.last_page_len = TensorView::contiguous(d_last.get(), DType::kInt32, {batch});
+  table.host_indptr = kv_indptr.data();
+  table.host_indices = indices.data();
+  table.host_last_page_len = last.data();
+  int head_dim = 128;
+  DType dtype = DType::kBF16;
+  pick_compiled(head_dim, dtype);
+  for (AttentionPath path : {AttentionPath::kAuto, AttentionPath::kHopper, AttentionPath::kPortable}) {
+    PagedPrefillConfig cfg;
+    cfg.num_qo_heads = 32;
+    cfg.head_dim = head_dim;
+    cfg.page_size = 16;
+    cfg.max_q_rows = batch * qo;
+    cfg.path = path;
+    DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
+    BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+    prefill.plan(qo_indptr.data(), table);
+    SCOPED_TRACE(attention_path_name(path));
+    const bool hopper_here = hopper_unavailable(dtype, head_dim).empty();
+    if (path == AttentionPath::kHopper || (path == AttentionPath::kAuto && hopper_here)) {
+      EXPECT_EQ(prefill.last_plan().kv_splits, 1) << "512 Hopper query tiles fill 132 SMs";
+      EXPECT_EQ(prefill.last_plan().path, path);
+    }
   }
 }
 
