@@ -8,6 +8,7 @@
 #include "tessera/error.h"
 #include "tessera/kv_cache.h"
 #include "tessera/merge.h"
+#include "tessera/moe.h"
 #include "tessera/stream.h"
 #include "tessera/tensor.h"
 #include "tessera/version.h"

@@ -143,4 +143,32 @@ void moe_layer(const float* x, int64_t tokens, int hidden, int inter, const floa
   }
 }
 
+Permutation permute(const int32_t* expert, int64_t tokens, int top_k, int num_experts, int align,
+                    int64_t capacity) {
+  require(num_experts >= 1 && top_k >= 1 && align >= 1 && tokens >= 0, "bad permutation shape");
+  const int64_t entries = tokens * top_k;
+  std::vector<int64_t> count(static_cast<size_t>(num_experts), 0);
+  for (int64_t i = 0; i < entries; ++i) {
+    if (expert[i] >= 0 && expert[i] < num_experts) ++count[expert[i]];
+  }
+  Permutation p;
+  p.offsets.assign(static_cast<size_t>(num_experts) + 1, 0);
+  for (int e = 0; e < num_experts; ++e) {
+    const int64_t padded = (count[e] + align - 1) / align * align;
+    p.offsets[e + 1] = static_cast<int32_t>(p.offsets[e] + padded);
+  }
+  require(p.offsets[num_experts] <= capacity, "capacity below the permuted rows");
+  p.permuted_token.assign(static_cast<size_t>(capacity), -1);
+  p.inverse.assign(static_cast<size_t>(entries), -1);
+  std::vector<int64_t> next(p.offsets.begin(), p.offsets.end() - 1);
+  for (int64_t i = 0; i < entries; ++i) {
+    const int e = expert[i];
+    if (e < 0 || e >= num_experts) continue;
+    const int64_t row = next[e]++;
+    p.inverse[i] = static_cast<int32_t>(row);
+    p.permuted_token[row] = static_cast<int32_t>(i / top_k);
+  }
+  return p;
+}
+
 }  // namespace tessera::ref

@@ -44,4 +44,17 @@ void swiglu_expert(const float* x, const float* w_gate_up, const float* w_down, 
 void moe_layer(const float* x, int64_t tokens, int hidden, int inter, const float* w_gate_up,
                const float* w_down, const Routing& routing, int top_k, std::vector<double>& y);
 
+// The permutation of (token, k) copies into per-expert segments (tessera::moe_permute's layout):
+// expert e's rows are [offsets[e], offsets[e + 1]), each segment starts at a multiple of `align`
+// and is padded to one, rows in (token, k) order within a segment; ids outside [0, num_experts)
+// are dropped. permuted_token[row] = token (-1 on padding and past the last row, up to
+// `capacity`); inverse[t * top_k + k] = row (-1 when dropped).
+struct Permutation {
+  std::vector<int32_t> offsets;         // [num_experts + 1]
+  std::vector<int32_t> permuted_token;  // [capacity]
+  std::vector<int32_t> inverse;         // [tokens * top_k]
+};
+Permutation permute(const int32_t* expert, int64_t tokens, int top_k, int num_experts, int align,
+                    int64_t capacity);
+
 }  // namespace tessera::ref

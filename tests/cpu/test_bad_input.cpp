@@ -654,3 +654,78 @@ TEST(ValidationTable, EveryEntryPointNamesTheArgumentOfEveryBrokenViewRule) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// MoE routing and permutation: each broken rule names its argument, on the host, before any launch.
+TEST(BadInputMoe, RouteAndPermute) {
+  // A rule validation missed would launch on the fake addresses: on a GPU machine the GPU tests
+  // (GpuMoeRoute / GpuMoePermute .ArgumentsAreValidated) cover these with real buffers.
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  (void)cudaGetLastError();
+  if (gpus > 0) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  const auto route_args = [] {
+    MoeRouteArgs a;
+    a.logits = TensorView::contiguous(fake(), DType::kFP32, {16, 64});
+    a.top_k = 8;
+    a.topk_ids = TensorView::contiguous(fake(1 << 20), DType::kInt32, {16, 8});
+    a.topk_weights = TensorView::contiguous(fake(2 << 20), DType::kFP32, {16, 8});
+    return a;
+  };
+  MoeRouteArgs r = route_args();
+  r.top_k = 0;
+  expect_error([&] { moe_route(r, nullptr); }, {"moe_route", "argument 'top_k'"});
+  r = route_args();
+  r.logits = TensorView::contiguous(fake(), DType::kFP32, {16, 513});
+  expect_error([&] { moe_route(r, nullptr); }, {"argument 'logits'", "1..512"});
+  r = route_args();
+  r.num_groups = 8;
+  r.topk_groups = 9;
+  expect_error([&] { moe_route(r, nullptr); }, {"argument 'topk_groups'"});
+  r = route_args();
+  r.selection_bias = TensorView::contiguous(fake(3 << 20), DType::kFP32, {63});
+  expect_error([&] { moe_route(r, nullptr); }, {"argument 'selection_bias'"});
+  r = route_args();
+  r.topk_weights = TensorView::contiguous(fake(2 << 20), DType::kFP32, {16, 4});
+  expect_error([&] { moe_route(r, nullptr); }, {"argument 'topk_weights'"});
+  r = route_args();
+  r.topk_weights = TensorView::contiguous(fake(1 << 20), DType::kFP32, {16, 8});  // topk_ids' bytes
+  expect_error([&] { moe_route(r, nullptr); }, {"topk_weights"});
+
+  const int64_t cap = moe_permute_capacity(16, 2, 8, 16);
+  EXPECT_EQ(cap, 16 * 2 + 8 * 15);
+  const auto permute_args = [cap] {
+    MoePermuteArgs a;
+    a.topk_ids = TensorView::contiguous(fake(), DType::kInt32, {16, 2});
+    a.num_experts = 8;
+    a.align = 16;
+    a.expert_offsets = TensorView::contiguous(fake(1 << 20), DType::kInt32, {9});
+    a.permuted_token = TensorView::contiguous(fake(2 << 20), DType::kInt32, {cap});
+    a.inverse = TensorView::contiguous(fake(3 << 20), DType::kInt32, {16, 2});
+    a.workspace = fake(4 << 20);
+    a.workspace_size = moe_permute_workspace_bytes(16, 2, 8);
+    return a;
+  };
+  MoePermuteArgs p = permute_args();
+  p.align = 0;
+  expect_error([&] { moe_permute(p, nullptr); }, {"moe_permute", "argument 'align'"});
+  p = permute_args();
+  p.permuted_token = TensorView::contiguous(fake(2 << 20), DType::kInt32, {cap - 1});
+  expect_error([&] { moe_permute(p, nullptr); }, {"argument 'permuted_token'", "moe_permute_capacity"});
+  p = permute_args();
+  p.x = TensorView::contiguous(fake(5 << 20), DType::kBF16, {16, 64});
+  expect_error([&] { moe_permute(p, nullptr); }, {"argument 'permuted_x'"});  // x without permuted_x
+  p.permuted_x = TensorView::contiguous(fake(6 << 20), DType::kFP16, {cap, 64});
+  expect_error([&] { moe_permute(p, nullptr); }, {"argument 'permuted_x'"});  // dtype differs from x's
+  p = permute_args();
+  p.inverse = TensorView::contiguous(fake(2 << 20), DType::kInt32, {16, 2});  // inside permuted_token
+  expect_error([&] { moe_permute(p, nullptr); }, {"inverse"});
+  p = permute_args();
+  p.workspace = fake(4 << 20 | 8);
+  expect_error([&] { moe_permute(p, nullptr); }, {"argument 'workspace'", "256-byte"});
+}
+
+}  // namespace
+}  // namespace tessera

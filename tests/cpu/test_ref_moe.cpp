@@ -291,5 +291,26 @@ TEST(RefMoE, MoeLayerEqualsExplicitSum) {
   EXPECT_GT(std::abs(y[0]), 0.0);  // the sum is not trivially zero
 }
 
+// The permutation, worked by hand: 3 tokens x top-2 over 3 experts, segments aligned to 4, one id
+// dropped (-1) and one out of range (7).
+TEST(RefMoe, PermuteByHand) {
+  // (t0: e1, e0) (t1: e1, -1) (t2: e2, 7)
+  const std::vector<int32_t> ids = {1, 0, 1, -1, 2, 7};
+  const Permutation p = permute(ids.data(), 3, 2, 3, 4, 20);
+  // counts 1, 2, 1 -> padded 4, 4, 4
+  EXPECT_EQ(p.offsets, (std::vector<int32_t>{0, 4, 8, 12}));
+  std::vector<int32_t> tokens(20, -1);
+  tokens[0] = 0;                // expert 0: t0
+  tokens[4] = 0;                // expert 1: t0, then t1
+  tokens[5] = 1;
+  tokens[8] = 2;                // expert 2: t2
+  EXPECT_EQ(p.permuted_token, tokens);
+  EXPECT_EQ(p.inverse, (std::vector<int32_t>{4, 0, 5, -1, 8, -1}));
+  // Without alignment the segments are packed; empty experts have empty segments.
+  const Permutation q = permute(ids.data(), 3, 2, 5, 1, 4);
+  EXPECT_EQ(q.offsets, (std::vector<int32_t>{0, 1, 3, 4, 4, 4}));
+  EXPECT_THROW(permute(ids.data(), 3, 2, 3, 4, 11), std::invalid_argument);  // capacity below 12 rows
+}
+
 }  // namespace
 }  // namespace tessera::ref

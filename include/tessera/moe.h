@@ -1,0 +1,76 @@
+// Mixture-of-Experts layer parts: routing (router logits -> top-k experts and weights) and the
+// permutation of token copies into per-expert segments (the grouped GEMM's input layout).
+//
+// Everything runs on the device without a host synchronisation (the per-expert offsets are
+// computed there), so the parts can be captured in a CUDA graph; results are deterministic (the
+// same inputs give bitwise the same outputs).
+//
+// Not yet in tessera: the grouped GEMM, its fused SwiGLU / combine epilogues and fused_moe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tessera/stream.h"
+#include "tessera/tensor.h"
+
+namespace tessera {
+
+enum class MoeScore : int { kSoftmax = 0, kSigmoid = 1 };
+
+// Router: logits [tokens, num_experts] (fp32, bf16 or fp16; rows may be strided, the expert dim is
+// contiguous) -> topk_ids [tokens, top_k] int32 and topk_weights [tokens, top_k] fp32 (both
+// row-major contiguous), experts by decreasing selection score.
+//   score      softmax over the experts (fp32), or an independent sigmoid per expert;
+//   selection  by score + selection_bias[e] when a bias is given (DeepSeek-V3: the bias steers the
+//              choice only); ties break toward the lower expert id; NaN scores are chosen last;
+//   groups     num_groups > 1: the experts form num_groups equal groups, a group scores the sum of
+//              its two best selection scores, only the topk_groups best groups are eligible
+//              (DeepSeek-V3's grouped top-k; num_groups <= 32);
+//   weights    the unbiased scores of the chosen experts, divided by their sum when renormalize,
+//              times routed_scaling.
+// num_experts <= 512, top_k <= min(num_experts, 32).
+struct MoeRouteArgs {
+  TensorView logits;
+  TensorView selection_bias;  // optional [num_experts] fp32
+  int top_k = 0;
+  MoeScore score = MoeScore::kSoftmax;
+  bool renormalize = false;
+  int num_groups = 1;
+  int topk_groups = 1;
+  float routed_scaling = 1.f;
+  TensorView topk_ids;
+  TensorView topk_weights;
+};
+
+void moe_route(const MoeRouteArgs& args, cudaStream_t stream);
+
+// Permutation: the (token, k) copies grouped by expert, in (token, k) order within an expert.
+// Expert e's rows are [expert_offsets[e], expert_offsets[e + 1]); every segment starts at a
+// multiple of `align` and is padded to one (align = the grouped GEMM's M tile, or 1). Ids outside
+// [0, num_experts) are dropped (no row, inverse -1): an expert-parallel rank passes -1 for the
+// experts it does not hold. Empty experts are normal.
+//   permuted_token [capacity] int32: the token of each row; -1 on padding and past the last row;
+//   inverse [tokens, top_k] int32: the row of each (token, k) copy (-1 when dropped);
+//   permuted_x [capacity, hidden] (optional, x's dtype): x's rows copied in that order, padding
+//     rows inside the segments zeroed, rows past expert_offsets[num_experts] left alone.
+// capacity >= moe_permute_capacity(tokens, top_k, num_experts, align): the row count is only known
+// on the device, so buffers are sized for the worst case.
+struct MoePermuteArgs {
+  TensorView topk_ids;  // [tokens, top_k] int32, row-major contiguous
+  int num_experts = 0;
+  int align = 1;
+  TensorView x;               // optional [tokens, hidden] bf16 / fp16, hidden contiguous
+  TensorView permuted_x;      // [capacity, hidden] when x is given
+  TensorView expert_offsets;  // [num_experts + 1] int32
+  TensorView permuted_token;  // [capacity] int32
+  TensorView inverse;         // [tokens, top_k] int32, row-major contiguous
+  void* workspace = nullptr;  // moe_permute_workspace_bytes(...) bytes, 256-byte aligned
+  std::size_t workspace_size = 0;
+};
+
+int64_t moe_permute_capacity(int64_t tokens, int top_k, int num_experts, int align);
+std::size_t moe_permute_workspace_bytes(int64_t tokens, int top_k, int num_experts);
+void moe_permute(const MoePermuteArgs& args, cudaStream_t stream);
+
+}  // namespace tessera
