@@ -65,7 +65,7 @@ struct MoePermuteArgs {
   TensorView expert_offsets;  // [num_experts + 1] int32
   TensorView permuted_token;  // [capacity] int32
   TensorView inverse;         // [tokens, top_k] int32, row-major contiguous
-  void* workspace = nullptr;  // moe_permute_workspace_bytes(...) bytes, 256-byte aligned
+  void* workspace = nullptr;  // moe_permute_workspace_bytes(...) bytes, 4-byte aligned
   std::size_t workspace_size = 0;
 };
 

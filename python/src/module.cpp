@@ -150,6 +150,60 @@ void bind_kv_and_merge(nb::module_& m) {
       "tessera::merge_states (see tessera.merge_states for the Python API).");
 }
 
+void bind_moe(nb::module_& m) {
+  m.def(
+      "moe_route",
+      [](nb::handle logits, nb::handle selection_bias, int top_k, int score, bool renormalize, int num_groups,
+         int topk_groups, float routed_scaling, nb::handle topk_ids, nb::handle topk_weights, uintptr_t stream) {
+        ArgConverter conv("moe_route");
+        MoeRouteArgs a;
+        a.logits = conv.tensor(logits, "logits");
+        a.selection_bias = conv.optional(selection_bias, "selection_bias");
+        a.top_k = top_k;
+        a.score = static_cast<MoeScore>(score);
+        a.renormalize = renormalize;
+        a.num_groups = num_groups;
+        a.topk_groups = topk_groups;
+        a.routed_scaling = routed_scaling;
+        a.topk_ids = conv.tensor(topk_ids, "topk_ids");
+        a.topk_weights = conv.tensor(topk_weights, "topk_weights");
+        DeviceGuard guard(conv.cuda_device());
+        moe_route(a, as_stream(stream));
+      },
+      "logits"_a, "selection_bias"_a.none(), "top_k"_a, "score"_a, "renormalize"_a, "num_groups"_a,
+      "topk_groups"_a, "routed_scaling"_a, "topk_ids"_a, "topk_weights"_a, "stream"_a,
+      "tessera::moe_route (see tessera.moe_route for the Python API).");
+
+  m.def(
+      "moe_permute",
+      [](nb::handle topk_ids, int num_experts, int align, nb::handle x, nb::handle permuted_x,
+         nb::handle expert_offsets, nb::handle permuted_token, nb::handle inverse, nb::handle workspace,
+         uintptr_t stream) {
+        ArgConverter conv("moe_permute");
+        MoePermuteArgs a;
+        a.topk_ids = conv.tensor(topk_ids, "topk_ids");
+        a.num_experts = num_experts;
+        a.align = align;
+        a.x = conv.optional(x, "x");
+        a.permuted_x = conv.optional(permuted_x, "permuted_x");
+        a.expert_offsets = conv.tensor(expert_offsets, "expert_offsets");
+        a.permuted_token = conv.tensor(permuted_token, "permuted_token");
+        a.inverse = conv.tensor(inverse, "inverse");
+        const TensorView ws = conv.tensor(workspace, "workspace");
+        a.workspace = ws.data;
+        a.workspace_size = std::size_t(ws.numel()) * dtype_size(ws.dtype);
+        DeviceGuard guard(conv.cuda_device());
+        moe_permute(a, as_stream(stream));
+      },
+      "topk_ids"_a, "num_experts"_a, "align"_a, "x"_a.none(), "permuted_x"_a.none(), "expert_offsets"_a,
+      "permuted_token"_a, "inverse"_a, "workspace"_a, "stream"_a,
+      "tessera::moe_permute (see tessera.moe_permute for the Python API).");
+  m.def("moe_permute_capacity", &moe_permute_capacity, "tokens"_a, "top_k"_a, "num_experts"_a, "align"_a,
+        "Rows moe_permute's permuted_token / permuted_x must hold: tokens x top_k + num_experts x (align - 1).");
+  m.def("moe_permute_workspace_bytes", &moe_permute_workspace_bytes, "tokens"_a, "top_k"_a, "num_experts"_a,
+        "Bytes of device workspace moe_permute needs.");
+}
+
 void bind_device(nb::module_& m) {
   nb::enum_<KernelPath>(m, "KernelPath", "The kernel family the dispatcher uses on a GPU.")
       .value("NONE", KernelPath::kNone)
@@ -240,6 +294,7 @@ NB_MODULE(_tessera, m) {
   bind_device(m);
   bind_prefill(m);
   bind_kv_and_merge(m);
+  bind_moe(m);
   bind_memory(m);
   bind_decoder(m);
 }

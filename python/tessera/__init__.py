@@ -1,5 +1,6 @@
 """tessera: exact GPU kernels for LLM inference (attention prefill / decode over ragged and paged KV
-caches, plan / run decode, KV append, attention-state merges), from Python.
+caches, plan / run decode, KV append, attention-state merges, MoE routing and permutation), from
+Python.
 
 Tensors come in through DLPack (PyTorch, JAX, CuPy, ...) without copies, strides kept, and run on
 the caller's stream (PyTorch's current stream for torch tensors). With torch installed the entry
@@ -16,6 +17,7 @@ from .attention import batch_prefill, batch_prefill_paged
 from .decode import BatchDecoder
 from .kv_cache import append_paged_kv
 from .merge import merge_state, merge_state_in_place, merge_states
+from .moe import MoePermutation, moe_permute, moe_permute_capacity, moe_route
 
 __version__: str = _tessera.__version__
 
@@ -39,5 +41,6 @@ __all__ = [
     "AttentionPath", "BatchDecoder", "DType", "DecodeConfig", "DecodePlanInfo", "DeviceBuffer",
     "DeviceInfo", "Error", "KVLayout", "KernelPath", "__version__", "append_paged_kv",
     "batch_prefill", "batch_prefill_paged", "device_count", "device_info", "info", "merge_state",
-    "merge_state_in_place", "merge_states", "torch_ops_registered",
+    "merge_state_in_place", "merge_states", "MoePermutation", "moe_permute", "moe_permute_capacity",
+    "moe_route", "torch_ops_registered",
 ]

@@ -99,6 +99,21 @@ def register() -> bool:
                      stream: int) -> None:
         _ext.merge_states(o_parts, s_parts, o_out, s_out, _stream(stream, o_parts))
 
+    @torch.library.custom_op("tessera::moe_route", mutates_args=("topk_ids", "topk_weights"))
+    def moe_route(logits: Tensor, selection_bias: Optional[Tensor], top_k: int, score: int, renormalize: bool,
+                  num_groups: int, topk_groups: int, routed_scaling: float, topk_ids: Tensor,
+                  topk_weights: Tensor, stream: int) -> None:
+        _ext.moe_route(logits, selection_bias, top_k, score, renormalize, num_groups, topk_groups,
+                       routed_scaling, topk_ids, topk_weights, _stream(stream, logits))
+
+    @torch.library.custom_op("tessera::moe_permute",
+                             mutates_args=("permuted_x", "expert_offsets", "permuted_token", "inverse", "workspace"))
+    def moe_permute(topk_ids: Tensor, num_experts: int, align: int, x: Optional[Tensor],
+                    permuted_x: Optional[Tensor], expert_offsets: Tensor, permuted_token: Tensor, inverse: Tensor,
+                    workspace: Tensor, stream: int) -> None:
+        _ext.moe_permute(topk_ids, num_experts, align, x, permuted_x, expert_offsets, permuted_token, inverse,
+                         workspace, _stream(stream, topk_ids))
+
     @torch.library.custom_op("tessera::decode_run", mutates_args=("o", "lse"))
     def decode_run(decoder: int, q: Tensor, k_pages: Tensor, v_pages: Optional[Tensor], o: Tensor,
                    lse: Optional[Tensor], stream: int) -> None:
@@ -109,7 +124,7 @@ def register() -> bool:
         d._run(q, k_pages, v_pages, o, lse, _stream(stream, q))
 
     for op in (batch_prefill, batch_prefill_paged, append_paged_kv, merge_state, merge_state_in_place,
-               merge_states, decode_run):
+               merge_states, moe_route, moe_permute, decode_run):
         op.register_fake(no_output)
     _registered = True
     return True

@@ -389,3 +389,70 @@ def test_prefill_validation_table(dev, entry, make, args, rule):
             make(dev, **{python_name: broken})()
         msg = str(e.value)
         assert ("tessera::%s: argument '%s'" % (entry, library_name)) in msg, (python_name, msg)
+
+
+def test_moe_route_rules(dev):
+    logits = dev.randn((6, 16), "fp32", seed=5)
+    ids, w = dev.full((6, 4), -7, "int32"), dev.full((6, 4), POISON, "fp32")
+    expect_gpu_stage(lambda: tessera.moe_route(logits, 4, topk_ids=ids, topk_weights=w))
+    expect_error(lambda: tessera.moe_route(logits, 17, topk_ids=dev.full((6, 17), 0, "int32"),
+                                           topk_weights=dev.full((6, 17), 0, "fp32")),
+                 "moe_route", "top_k", "must be in 1..min(num_experts, 32)")
+    expect_error(lambda: tessera.moe_route(logits, 4, num_groups=3, topk_ids=ids, topk_weights=w),
+                 "moe_route", "num_groups", "must divide num_experts")
+    expect_error(lambda: tessera.moe_route(logits, 4, selection_bias=dev.randn((15,), "fp32"), topk_ids=ids,
+                                           topk_weights=w),
+                 "moe_route", "selection_bias", "")
+    expect_error(lambda: tessera.moe_route(logits, 4, topk_ids=dev.full((6, 4), 0, "fp32"), topk_weights=w),
+                 "moe_route", "topk_ids", "dtype")
+    expect_error(lambda: tessera.moe_route(logits, 4, score="relu"), "moe_route", "score", "'softmax' or 'sigmoid'")
+    if not HAVE_GPU:
+        assert np.all(dev.to_numpy(ids) == -7) and np.all(dev.to_numpy(w) == POISON)
+
+
+def test_moe_permute_rules(dev):
+    ids = dev.indices(np.array([[1, 0], [3, 3], [2, -1]], np.int32))
+    cap = tessera.moe_permute_capacity(3, 2, 4, 8)
+    assert cap == 3 * 2 + 4 * 7
+    outs = dict(expert_offsets=dev.full((5,), -7, "int32"), permuted_token=dev.full((cap,), -7, "int32"),
+                inverse=dev.full((3, 2), -7, "int32"), workspace=dev.full((256,), 0, "int32"))
+    expect_gpu_stage(lambda: tessera.moe_permute(ids, 4, align=8, **outs))
+    expect_error(lambda: tessera.moe_permute(ids, 4, align=0, **outs), "moe_permute_capacity", "tokens", "align >= 1")
+    expect_error(lambda: tessera.moe_permute(ids, 4, align=8, **dict(outs, permuted_token=dev.full((5,), 0, "int32"))),
+                 "moe_permute", "permuted_token", "moe_permute_capacity")
+    expect_error(lambda: tessera.moe_permute(ids, 4, align=8, x=dev.randn((3, 64), "fp32"),
+                                             permuted_x=dev.full((cap, 64), 0, "fp32"), **outs),
+                 "moe_permute", "x", "dtype")
+    expect_error(lambda: tessera.moe_permute(ids, 4, align=8, **dict(outs, workspace=dev.full((2,), 0, "int32"))),
+                 "moe_permute", "workspace_size", "moe_permute_workspace_bytes")
+    expect_error(lambda: tessera.moe_permute(dev.full((3, 2), 0, "fp32"), 4, align=8, **outs),
+                 "moe_permute", "topk_ids", "dtype")
+    if not HAVE_GPU:
+        assert np.all(dev.to_numpy(outs["inverse"]) == -7) and np.all(dev.to_numpy(outs["permuted_token"]) == -7)
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="runs the MoE kernels: needs a GPU")
+def test_moe_route_and_permute_match_numpy(dev):
+    rng = np.random.default_rng(11)
+    tokens, experts, k = 37, 16, 2
+    logits = np.stack([rng.permutation(experts) for _ in range(tokens)]).astype(np.float32) * 0.25
+    ids, w = tessera.moe_route(dev.tensor(logits, "fp32"), k, renormalize=True)
+    ids, w = dev.to_numpy(ids), dev.to_numpy(w)
+    want_ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    assert np.array_equal(ids, want_ids)
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    p = e / e.sum(1, keepdims=True)
+    chosen = np.take_along_axis(p, want_ids, 1)
+    assert np.allclose(w, chosen / chosen.sum(1, keepdims=True), atol=1e-6)
+    x = rng.standard_normal((tokens, 64)).astype(np.float32)
+    perm = tessera.moe_permute(dev.indices(want_ids.astype(np.int32)), experts, align=4, x=dev.tensor(x, "bf16"))
+    offsets, tok, inv = dev.to_numpy(perm.expert_offsets), dev.to_numpy(perm.permuted_token), dev.to_numpy(perm.inverse)
+    counts = np.bincount(want_ids.ravel(), minlength=experts)
+    assert np.array_equal(np.diff(offsets), (counts + 3) // 4 * 4)
+    flat = want_ids.ravel()
+    for i, row in enumerate(inv.ravel()):
+        assert offsets[flat[i]] <= row < offsets[flat[i] + 1] and tok[row] == i // k
+    px = dev.to_numpy(perm.permuted_x)
+    xb = dev.to_numpy(dev.tensor(x, "bf16"))
+    for row in range(offsets[-1]):
+        assert np.array_equal(px[row], xb[tok[row]] if tok[row] >= 0 else np.zeros(64))

@@ -91,7 +91,7 @@ std::size_t moe_permute_workspace_bytes(int64_t tokens, int top_k, int num_exper
   TESSERA_REQUIRE(check, tokens >= 0 && top_k >= 1 && num_experts >= 1, "tokens",
                   "tokens >= 0, top_k and num_experts >= 1 required");
   const int64_t entries = tokens * top_k;
-  const int64_t ranks = (entries + 63) / 64 * 64;  // keeps the chunk bases 256-byte aligned
+  const int64_t ranks = (entries + 63) / 64 * 64;  // the chunk bases start 256 bytes after an aligned base
   return std::size_t(ranks + kernels::moe::permute_chunks(entries) * num_experts) * sizeof(int32_t);
 }
 
@@ -123,7 +123,8 @@ void moe_permute(const MoePermuteArgs& a, cudaStream_t stream) {
   TESSERA_REQUIRE(check, a.workspace_size >= ws, "workspace_size",
                   std::to_string(a.workspace_size) + " bytes is less than the " + std::to_string(ws) +
                       " moe_permute_workspace_bytes gives");
-  TESSERA_REQUIRE(check, reinterpret_cast<uintptr_t>(a.workspace) % 256 == 0, "workspace", "must be 256-byte aligned");
+  TESSERA_REQUIRE(check, reinterpret_cast<uintptr_t>(a.workspace) % alignof(int32_t) == 0, "workspace",
+                  "must be 4-byte aligned (it holds int32 arrays)");
   const bool rows = !a.x.empty_view() || a.x.data != nullptr;
   if (rows) {
     check.tensor(a.x, "x", 2);

@@ -1,0 +1,107 @@
+"""Mixture-of-Experts parts (tessera::moe_route, tessera::moe_permute).
+
+moe_route turns router logits [tokens, num_experts] into the top-k experts and their weights;
+moe_permute groups the (token, k) copies by expert into aligned segments, with the offsets
+computed on the device (no host synchronisation, CUDA-graph safe) and results deterministic.
+The grouped GEMM and fused_moe are not in tessera yet.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+from . import _ops
+from . import _tensors as T
+from . import _tessera as _ext
+
+_SCORES = {"softmax": 0, "sigmoid": 1}
+
+
+def _shape(x: Any, entry: str, arg: str):
+    return tuple(x.shape) if T.is_torch(x) else T.describe(x, entry, arg)[3]
+
+
+@T.stream_scope("logits", 0)
+def moe_route(logits: Any, top_k: int, *, score: str = "softmax", renormalize: bool = False,
+              selection_bias: Optional[Any] = None, num_groups: int = 1, topk_groups: int = 1,
+              routed_scaling: float = 1.0, topk_ids: Optional[Any] = None,
+              topk_weights: Optional[Any] = None, stream: Optional[Any] = None) -> Tuple[Any, Any]:
+    """Router: logits [tokens, num_experts] (fp32 / bf16 / fp16) -> (topk_ids int32 [tokens, top_k],
+    topk_weights fp32 [tokens, top_k]), experts by decreasing selection score.
+
+    score 'softmax' (over the experts) or 'sigmoid' (per expert); selection by score +
+    selection_bias[e] when a bias [num_experts] fp32 is given (it steers the choice only); ties go
+    to the lower expert id. num_groups > 1: DeepSeek-V3's grouped top-k (a group scores the sum of
+    its two best selection scores, the topk_groups best groups are eligible). Weights are the
+    unbiased scores, divided by their sum when renormalize, times routed_scaling. Outputs are
+    written when given, else allocated. Raises tessera.Error for invalid arguments.
+    """
+    entry = "moe_route"
+    if score not in _SCORES:
+        T.fail(entry, "score", "must be 'softmax' or 'sigmoid', got %r" % (score,))
+    tokens = _shape(logits, entry, "logits")[0]
+    if topk_ids is None:
+        topk_ids = T.empty((tokens, top_k), _ext.DType.INT32, like=logits)
+    if topk_weights is None:
+        topk_weights = T.empty((tokens, top_k), _ext.DType.FP32, like=logits)
+    args = (logits, selection_bias, int(top_k), _SCORES[score], bool(renormalize), int(num_groups),
+            int(topk_groups), float(routed_scaling), topk_ids, topk_weights)
+    if _ops.use_torch_op(logits):
+        _ops.torch_ops().moe_route(*args, _ops.stream_arg(stream))
+    else:
+        _ext.moe_route(*args, T.resolve_stream(stream, logits))
+    return topk_ids, topk_weights
+
+
+class MoePermutation(NamedTuple):
+    """moe_permute's outputs: expert e's rows are [expert_offsets[e], expert_offsets[e + 1])."""
+    expert_offsets: Any  # int32 [num_experts + 1]
+    permuted_token: Any  # int32 [capacity]: the token of each row, -1 on padding and past the end
+    inverse: Any         # int32 [tokens, top_k]: the row of each (token, k) copy, -1 when dropped
+    permuted_x: Optional[Any]  # [capacity, hidden] when x was given
+
+
+def moe_permute_capacity(tokens: int, top_k: int, num_experts: int, align: int = 1) -> int:
+    """Rows the permuted outputs must hold: tokens x top_k + num_experts x (align - 1)."""
+    return _ext.moe_permute_capacity(tokens, top_k, num_experts, align)
+
+
+@T.stream_scope("topk_ids", 0)
+def moe_permute(topk_ids: Any, num_experts: int, *, align: int = 1, x: Optional[Any] = None,
+                permuted_x: Optional[Any] = None, expert_offsets: Optional[Any] = None,
+                permuted_token: Optional[Any] = None, inverse: Optional[Any] = None,
+                workspace: Optional[Any] = None, stream: Optional[Any] = None) -> MoePermutation:
+    """Groups the (token, k) copies of topk_ids [tokens, top_k] int32 by expert.
+
+    Stable: (token, k) order within an expert. Every segment starts at a multiple of align (the
+    grouped GEMM's M tile) and is padded to one; ids outside [0, num_experts) are dropped (an
+    expert-parallel rank passes -1 for the experts it does not hold). With x [tokens, hidden]
+    (bf16 / fp16) its rows are copied into permuted_x in that order (padding rows zeroed). Outputs
+    (and the int32 workspace) are written when given, else allocated with
+    moe_permute_capacity(...) rows. Raises tessera.Error for invalid arguments.
+    """
+    entry = "moe_permute"
+    tokens, top_k = _shape(topk_ids, entry, "topk_ids")[:2]
+    capacity = moe_permute_capacity(tokens, top_k, num_experts, align)
+    if expert_offsets is None:
+        expert_offsets = T.empty((num_experts + 1,), _ext.DType.INT32, like=topk_ids)
+    if permuted_token is None:
+        permuted_token = T.empty((capacity,), _ext.DType.INT32, like=topk_ids)
+    if inverse is None:
+        inverse = T.empty((tokens, top_k), _ext.DType.INT32, like=topk_ids)
+    if x is not None and permuted_x is None:
+        dtype, _, _, shape = (x.dtype, None, None, tuple(x.shape)) if T.is_torch(x) else T.describe(x, entry, "x")
+        if T.is_torch(x):
+            torch = T.torch_module()
+            permuted_x = torch.empty((capacity, shape[1]), dtype=x.dtype, device=x.device)
+        else:
+            permuted_x = T.empty((capacity, shape[1]), dtype, like=x)
+    if workspace is None:
+        words = (_ext.moe_permute_workspace_bytes(tokens, top_k, num_experts) + 3) // 4
+        workspace = T.empty((max(words, 1),), _ext.DType.INT32, like=topk_ids)
+    args = (topk_ids, int(num_experts), int(align), x, permuted_x, expert_offsets, permuted_token, inverse,
+            workspace)
+    if _ops.use_torch_op(topk_ids):
+        _ops.torch_ops().moe_permute(*args, _ops.stream_arg(stream))
+    else:
+        _ext.moe_permute(*args, T.resolve_stream(stream, topk_ids))
+    return MoePermutation(expert_offsets, permuted_token, inverse, permuted_x)
