@@ -21,11 +21,17 @@ void append(std::string& out, const char* format, ...) {
 
 }  // namespace
 
+// The kernel families beside attention, and their shapes (include/tessera/moe.h).
+constexpr const char* kMoeLine =
+    "MoE: routing (top-k <= 32 of <= 512 experts; softmax / sigmoid, selection bias, grouped top-k) and "
+    "permutation (<= 1024 experts, aligned segments); grouped GEMM and fused_moe not yet\n";
+
 std::string info_text(const DeviceInfo& info) {
   std::string out;
   append(out, "tessera %s\n", version());
   if (!info.present) {
     out += "GPU: none (" + info.reason + ")\nkernel path: " + kernel_path_name(KernelPath::kNone) + "\n";
+    out += kMoeLine;
     return out;
   }
   const double kib = 1024.0, mib = kib * 1024, gib = mib * 1024;
@@ -46,6 +52,7 @@ std::string info_text(const DeviceInfo& info) {
   out += "\n";
   if (info.sm_clock_khz > 0) append(out, "  SM clock (max): %.0f MHz\n", info.sm_clock_khz / 1e3);
   out += std::string("kernel path: ") + kernel_path_name(info.path) + "\n";
+  out += kMoeLine;
   return out;
 }
 

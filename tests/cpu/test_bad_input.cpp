@@ -729,3 +729,17 @@ TEST(BadInputMoe, RouteAndPermute) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// `tessera info` names the kernel path and the MoE parts with their limits, with or without a GPU.
+TEST(DeviceInfoText, ListsThePathAndTheMoeParts) {
+  const std::string text = info_text(device_info());
+  EXPECT_THAT(text, HasSubstr("kernel path: "));
+  EXPECT_THAT(text, HasSubstr("MoE: routing (top-k <= 32 of <= 512 experts"));
+  EXPECT_THAT(text, HasSubstr("grouped GEMM and fused_moe not yet"));
+}
+
+}  // namespace
+}  // namespace tessera
