@@ -1,7 +1,7 @@
 // CPU cost of DecodePlanner::plan for a serving step (targets: < 20 us for 256 requests, < 50 us
 // for 1024). Prints one JSON object per case. No GPU needed: the planner is pure C++. The capacity
 // is the H200's at hd128 (132 SMs, two CTAs per SM, the one-CTA-per-SM shape available).
-//   tessera_plan_bench [iterations]
+//   tessera_plan_bench [iterations] [case-filter]   (only the cases whose name contains the filter)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -33,8 +33,11 @@ PageTable make(const std::vector<int64_t>& kv_len, int32_t page) {
   return t;
 }
 
+const char* g_filter = "";
+
 void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int iterations,
          int32_t kv_heads = 8) {
+  if (std::string(name).find(g_filter) == std::string::npos) return;
   const PageTable t = make(kv_len, page);
   plan::PlanCapacity cap;
   cap.max_batch_size = 1024;
@@ -77,6 +80,7 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
 
 int main(int argc, char** argv) {
   const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
+  if (argc > 2) g_filter = argv[2];
   std::mt19937 rng(1);
   // Zipf-like lengths: a few long requests, many short ones.
   std::vector<int64_t> zipf(256);
@@ -109,6 +113,7 @@ int main(int argc, char** argv) {
   run("b1024_kv2048_p16", std::vector<int64_t>(1024, 2048), 16, iterations);
   // The page-id range scan BatchDecoder::plan does by default (num_pages not given).
   for (const int64_t pages : {32768, 262144}) {
+    if (std::string("page_id_range_" + std::to_string(pages)).find(g_filter) == std::string::npos) continue;
     const PageTable t = make({pages * 16}, 16);
     const auto bsr = format::bsr_from_page_table(16, 1, t.indptr.data(), t.indices.data(), t.last.data());
     std::vector<double> us(iterations);

@@ -25,6 +25,7 @@ struct PrefillCase {
   int64_t head_pad = 0;  // extra elements per head of q/k/v (head stride > head_dim)
   AttentionPath path = AttentionPath::kAuto;
   float q_range = 2.f, kv_range = 1.f;  // inputs uniform in [-range, range]
+  int64_t nan_key = -1;  // >= 0: this row of k (every head) holds NaN
   // Hopper family: each of these schedules in turn (empty: the dispatcher's).
   std::vector<kernels::sm90::PrefillSm90Schedule> schedules;
 };
@@ -100,6 +101,15 @@ void run_case(const PrefillCase& c, uint32_t seed) {
   Ragged16 q(total_q, c.num_qo_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, c.q_range);
   Ragged16 k(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, c.kv_range);
   Ragged16 v(total_kv, c.num_kv_heads, c.head_dim, c.pad, c.head_pad, c.dtype, rng, c.kv_range);
+  if (c.nan_key >= 0) {
+    for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+      for (int64_t d = 0; d < c.head_dim; ++d) {
+        k.dense[size_t((c.nan_key * c.num_kv_heads + h) * c.head_dim + d)] = NAN;
+        k.bits[size_t(c.nan_key * k.row_stride + h * k.head_stride + d)] = 0x7FC0;  // a quiet NaN in bf16 and fp16
+      }
+    }
+    k.dev.upload(k.bits);
+  }
   const int64_t o_stride = int64_t(c.num_qo_heads) * c.head_dim + c.pad;
   DeviceBuffer o(std::max<int64_t>(total_q * o_stride, 8) * 2), lse(std::max<int64_t>(total_q * c.num_qo_heads, 2) * 4);
   DeviceBuffer d_qo(qo_indptr.size() * 4), d_kv(kv_indptr.size() * 4);
@@ -189,6 +199,34 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     expect_within_rule(lse_got, lse_ref, 0.0, 2e-4, "lse");
   }
   dispatch::force_prefill_sm90_schedule(nullptr);
+}
+
+// Numerical edge cases on every family: a NaN in one request's K reaches exactly the rows that see
+// that key (the same tile's rows that mask it stay finite; other requests untouched), inputs of
+// magnitude 1e4 in bf16 (logits ~1e9) stay finite and exact to the rule, soft-cap over extreme
+// logits.
+TEST(GpuPrefill, NanIsolationAndExtremeMagnitudes) {
+  TESSERA_REQUIRE_GPU();
+  PrefillCase c;
+  c.head_dim = 128;
+  c.num_qo_heads = 4;
+  c.num_kv_heads = 2;
+  c.qo_len = {40, 97, 7};
+  c.kv_len = {300, 577, 7};
+  c.causal = true;
+  // Request 1's key 560: its rows i see keys j <= i + 480, so rows 80.. see it, rows 0..79 mask it
+  // inside the same KV tile.
+  c.nan_key = 300 + 560;
+  run_case(c, 700);
+  c.nan_key = -1;
+  c.q_range = 1e4f;
+  c.kv_range = 1e4f;
+  run_case(c, 701);
+  c.causal = false;
+  c.soft_cap = 30.f;
+  c.q_range = 1e3f;
+  c.kv_range = 1e3f;
+  run_case(c, 702);
 }
 
 TEST(GpuPrefill, HeadDimsDtypesMasks) {
