@@ -16,5 +16,6 @@ PageTable page_table(ArgConverter& conv, nanobind::handle indptr, nanobind::hand
 
 void bind_memory(nanobind::module_& m);   // decoder.cpp: device buffers, copies, streams
 void bind_decoder(nanobind::module_& m);  // decoder.cpp: DecodeConfig, BatchDecoder
+void bind_prefill_paged(nanobind::module_& m);  // prefill_paged.cpp: PagedPrefillConfig, BatchPrefillPaged
 
 }  // namespace tessera::python

@@ -297,4 +297,5 @@ NB_MODULE(_tessera, m) {
   bind_moe(m);
   bind_memory(m);
   bind_decoder(m);
+  bind_prefill_paged(m);
 }

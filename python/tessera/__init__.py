@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from . import _tessera
 from ._tessera import (AttentionPath, DecodeConfig, DecodePlanInfo, DeviceBuffer, DeviceInfo, DType,
-                       Error, KernelPath, KVLayout, device_count, device_info)
-from .attention import batch_prefill, batch_prefill_paged
+                       Error, KernelPath, KVLayout, PagedPrefillConfig, PagedPrefillPlanInfo, device_count,
+                       device_info, paged_prefill_workspace_bytes)
+from .attention import BatchPrefillPaged, batch_prefill, batch_prefill_paged
 from .decode import BatchDecoder
 from .kv_cache import append_paged_kv
 from .merge import merge_state, merge_state_in_place, merge_states
@@ -38,7 +39,8 @@ def _register_torch_ops() -> bool:
 torch_ops_registered: bool = _register_torch_ops()
 
 __all__ = [
-    "AttentionPath", "BatchDecoder", "DType", "DecodeConfig", "DecodePlanInfo", "DeviceBuffer",
+    "AttentionPath", "BatchDecoder", "BatchPrefillPaged", "PagedPrefillConfig", "PagedPrefillPlanInfo",
+    "paged_prefill_workspace_bytes", "DType", "DecodeConfig", "DecodePlanInfo", "DeviceBuffer",
     "DeviceInfo", "Error", "KVLayout", "KernelPath", "__version__", "append_paged_kv",
     "batch_prefill", "batch_prefill_paged", "device_count", "device_info", "info", "merge_state",
     "merge_state_in_place", "merge_states", "MoePermutation", "moe_permute", "moe_permute_capacity",

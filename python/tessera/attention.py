@@ -120,3 +120,72 @@ def batch_prefill_paged(q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[
                                  indptr_host, indices_host, last_host, a.o, a.lse, causal, window_left,
                                  float(scale or 0.0), float(soft_cap), a.path, a.stream)
     return a.result()
+
+
+class BatchPrefillPaged:
+    """Paged prefill / extend with plan / run and a KV split for under-filled steps
+    (tessera::BatchPrefillPaged): a short chunk of new tokens over a long history, few requests.
+
+        prefill = tessera.BatchPrefillPaged(tessera.PagedPrefillConfig(num_qo_heads=32, head_dim=128,
+                                            page_size=16, max_q_rows=4096))
+        prefill.plan(host_qo_indptr, kv_indptr, kv_indices, kv_last_page_len)   # once per step
+        o = prefill.run(q, qo_indptr, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len)  # per layer
+
+    plan() reads host copies (the indptr / index arrays on the host, or host_* copies of device
+    ones); run() takes batch_prefill_paged's arguments for the planned step (its page table must be
+    the planned one) and returns o, or (o, lse). The split runs on the portable family; where the
+    Hopper family reads the pages and its grid fills a wave the step runs unsplit there
+    (last_plan().path / kv_splits say what was chosen). The workspace
+    (paged_prefill_workspace_bytes(config) bytes) is allocated unless one is given. Not yet CUDA-graph
+    capturable.
+    """
+
+    def __init__(self, config: Any, workspace: Optional[Any] = None, device: Optional[int] = None) -> None:
+        if workspace is None:
+            nbytes = _ext.paged_prefill_workspace_bytes(config)
+            dev = _ext.current_device() if device is None else device
+            workspace = _ext.empty([max((nbytes + 3) // 4, 64)], _ext.DType.INT32, max(dev, 0))
+        self.config = config
+        self._impl = _ext.PagedPrefiller(config, workspace)
+
+    def plan(self, host_qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
+             host_kv_indptr: Optional[Any] = None, host_kv_indices: Optional[Any] = None,
+             host_kv_last_page_len: Optional[Any] = None) -> Any:
+        """Decides the step's split from the host copies; returns last_plan()."""
+        entry = "BatchPrefillPaged::plan"
+
+        def both(name: str, given: Any, host: Optional[Any]) -> Tuple[Any, Any]:
+            # plan() reads host copies only; a device array is copied once (synchronizes).
+            given = T.host_array(given)
+            if host is not None:
+                return given, T.host_array(host)
+            return given, (T.to_host(given, 0) if T.on_device(given, entry, name) else given)
+
+        indptr, indptr_host = both("kv_indptr", kv_indptr, host_kv_indptr)
+        indices, indices_host = both("kv_indices", kv_indices, host_kv_indices)
+        last, last_host = both("kv_last_page_len", kv_last_page_len, host_kv_last_page_len)
+        self._impl.plan(T.host_array(host_qo_indptr), indptr, indices, last, indptr_host, indices_host, last_host)
+        return self._impl.last_plan()
+
+    def last_plan(self) -> Any:
+        return self._impl.last_plan()
+
+    def run(self, q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[Any], kv_indptr: Any, kv_indices: Any,
+            kv_last_page_len: Any, *, layout: str = "NHD", host_qo_indptr: Optional[Any] = None,
+            host_kv_indptr: Optional[Any] = None, host_kv_indices: Optional[Any] = None,
+            host_kv_last_page_len: Optional[Any] = None, causal: bool = False, window_left: int = -1,
+            soft_cap: float = 0.0, scale: Optional[float] = None, return_lse: bool = False,
+            out: Optional[Any] = None, lse: Optional[Any] = None, path: Union[str, Any] = "auto",
+            stream: Optional[Any] = None) -> Union[Any, Tuple[Any, Any]]:
+        """batch_prefill_paged for the planned step (see tessera.batch_prefill_paged)."""
+        entry = "BatchPrefillPaged::run"
+        a = _QuerySide(entry, q, qo_indptr, host_qo_indptr, out, lse, return_lse, path, stream)
+        stream_handle = T.resolve_stream(stream, q)
+        indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, stream_handle)
+        indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, q, stream_handle)
+        last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, q,
+                                       stream_handle)
+        self._impl.run(q, a.qo, a.qo_host, k_pages, v_pages, layout, indptr, indices, last, indptr_host,
+                       indices_host, last_host, a.o, a.lse, causal, window_left, float(scale or 0.0),
+                       float(soft_cap), a.path, stream_handle)
+        return a.result()

@@ -456,3 +456,23 @@ def test_moe_route_and_permute_match_numpy(dev):
     xb = dev.to_numpy(dev.tensor(x, "bf16"))
     for row in range(offsets[-1]):
         assert np.array_equal(px[row], xb[tok[row]] if tok[row] >= 0 else np.zeros(64))
+
+
+def test_batch_prefill_paged_config_rules():
+    cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)
+    assert cfg.max_kv_splits == 16 and cfg.path == tessera.AttentionPath.AUTO
+    assert tessera.paged_prefill_workspace_bytes(cfg) == 16 * 256 * 8 * (HEAD_DIM + 1) * 4
+    for field, value, rule in [("num_qo_heads", 0, "must be >= 1"), ("page_size", 0, "must be >= 1"),
+                               ("max_kv_splits", 0, "must be in 1..256"), ("max_q_rows", 0, "must be >= 1")]:
+        bad = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)
+        setattr(bad, field, value)
+        expect_error(lambda: tessera.paged_prefill_workspace_bytes(bad), "BatchPrefillPaged::workspace_bytes",
+                     field, rule)
+
+
+@requires_no_gpu
+def test_batch_prefill_paged_without_gpu_says_so():
+    cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)
+    with pytest.raises(tessera.Error) as e:
+        tessera.BatchPrefillPaged(cfg)
+    assert "CUDA" in str(e.value) or "GPU" in str(e.value), str(e.value)
