@@ -62,20 +62,10 @@ void bind_prefill(nb::module_& m) {
          nb::handle host_kv_last_page_len, nb::handle o, nb::handle lse, bool causal,
          int window_left, float scale, float soft_cap, AttentionPath path, uintptr_t stream) {
         ArgConverter conv("batch_prefill_paged");
-        PagedPrefillArgs a;
-        a.q = conv.tensor(q, "q");
-        a.qo_indptr = conv.tensor(qo_indptr, "qo_indptr");
-        a.host_qo_indptr = conv.host_indices(host_qo_indptr, "host_qo_indptr", a.qo_indptr.size(0));
-        a.cache = conv.paged_cache(k_pages, v_pages, parse_layout(layout, "batch_prefill_paged", "layout"));
-        a.table = page_table(conv, kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr,
-                             host_kv_indices, host_kv_last_page_len);
-        a.o = conv.tensor(o, "o");
-        a.lse = conv.optional(lse, "lse");
-        a.causal = causal;
-        a.window_left = window_left;
-        a.scale = scale;
-        a.soft_cap = soft_cap;
-        a.path = path;
+        const PagedPrefillArgs a = paged_prefill_args(conv, q, qo_indptr, host_qo_indptr, k_pages, v_pages, layout,
+                                                      kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr,
+                                                      host_kv_indices, host_kv_last_page_len, o, lse, causal,
+                                                      window_left, scale, soft_cap, path);
         DeviceGuard guard(conv.cuda_device());
         batch_prefill_paged(a, as_stream(stream));
       },
@@ -265,6 +255,29 @@ void bind_enums(nb::module_& m) {
 }
 
 }  // namespace
+
+PagedPrefillArgs paged_prefill_args(ArgConverter& conv, nb::handle q, nb::handle qo_indptr, nb::handle host_qo_indptr,
+                                    nb::handle k_pages, nb::handle v_pages, nb::handle layout, nb::handle kv_indptr,
+                                    nb::handle kv_indices, nb::handle kv_last_page_len, nb::handle host_kv_indptr,
+                                    nb::handle host_kv_indices, nb::handle host_kv_last_page_len, nb::handle o,
+                                    nb::handle lse, bool causal, int window_left, float scale, float soft_cap,
+                                    AttentionPath path) {
+  PagedPrefillArgs a;
+  a.q = conv.tensor(q, "q");
+  a.qo_indptr = conv.tensor(qo_indptr, "qo_indptr");
+  a.host_qo_indptr = conv.host_indices(host_qo_indptr, "host_qo_indptr", a.qo_indptr.size(0));
+  a.cache = conv.paged_cache(k_pages, v_pages, parse_layout(layout, conv.entry_point(), "layout"));
+  a.table = page_table(conv, kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr, host_kv_indices,
+                       host_kv_last_page_len);
+  a.o = conv.tensor(o, "o");
+  a.lse = conv.optional(lse, "lse");
+  a.causal = causal;
+  a.window_left = window_left;
+  a.scale = scale;
+  a.soft_cap = soft_cap;
+  a.path = path;
+  return a;
+}
 
 PageTable page_table(ArgConverter& conv, nb::handle indptr, nb::handle indices,
                      nb::handle last_page_len, nb::handle host_indptr, nb::handle host_indices,

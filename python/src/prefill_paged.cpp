@@ -44,20 +44,10 @@ class PagedPrefiller {
            nb::handle lse, bool causal, int window_left, float scale, float soft_cap, AttentionPath path,
            uintptr_t stream) {
     ArgConverter conv("BatchPrefillPaged::run");
-    PagedPrefillArgs a;
-    a.q = conv.tensor(q, "q");
-    a.qo_indptr = conv.tensor(qo_indptr, "qo_indptr");
-    a.host_qo_indptr = conv.host_indices(host_qo_indptr, "host_qo_indptr", a.qo_indptr.size(0));
-    a.cache = conv.paged_cache(k_pages, v_pages, parse_layout(layout, "BatchPrefillPaged::run", "layout"));
-    a.table = page_table(conv, kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr, host_kv_indices,
-                         host_kv_last_page_len);
-    a.o = conv.tensor(o, "o");
-    a.lse = conv.optional(lse, "lse");
-    a.causal = causal;
-    a.window_left = window_left;
-    a.scale = scale;
-    a.soft_cap = soft_cap;
-    a.path = path;
+    const PagedPrefillArgs a = paged_prefill_args(conv, q, qo_indptr, host_qo_indptr, k_pages, v_pages, layout,
+                                                  kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr,
+                                                  host_kv_indices, host_kv_last_page_len, o, lse, causal, window_left,
+                                                  scale, soft_cap, path);
     DeviceGuard guard(device_);
     impl_->run(a, as_stream(stream));
   }
