@@ -29,7 +29,10 @@ enum class MoeScore : int { kSoftmax = 0, kSigmoid = 1 };
 //              (DeepSeek-V3's grouped top-k; num_groups <= 32);
 //   weights    the unbiased scores of the chosen experts, divided by their sum when renormalize,
 //              times routed_scaling.
-// num_experts <= 512, top_k <= min(num_experts, 32).
+// num_experts <= 512, top_k <= min(num_experts, 32) (and <= topk_groups x the group size when
+// grouped). Known gaps: fp32 scores that underflow to 0 for every chosen expert make renormalised
+// weights NaN (0 / 0; the fp64 reference keeps them finite), and a NaN score ties with a real -inf
+// one (bias -inf), the lower id winning.
 struct MoeRouteArgs {
   TensorView logits;
   TensorView selection_bias;  // optional [num_experts] fp32
@@ -55,7 +58,9 @@ void moe_route(const MoeRouteArgs& args, cudaStream_t stream);
 //   permuted_x [capacity, hidden] (optional, x's dtype): x's rows copied in that order, padding
 //     rows inside the segments zeroed, rows past expert_offsets[num_experts] left alone.
 // capacity >= moe_permute_capacity(tokens, top_k, num_experts, align): the row count is only known
-// on the device, so buffers are sized for the worst case.
+// on the device, so buffers are sized for the worst case. Limits: top_k <= 64, num_experts <= 1024,
+// align <= 1024, tokens x top_k + num_experts x align < 2^31. Every output, the workspace and the
+// inputs are pairwise disjoint.
 struct MoePermuteArgs {
   TensorView topk_ids;  // [tokens, top_k] int32, row-major contiguous
   int num_experts = 0;

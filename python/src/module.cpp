@@ -180,6 +180,9 @@ void bind_moe(nb::module_& m) {
         a.permuted_token = conv.tensor(permuted_token, "permuted_token");
         a.inverse = conv.tensor(inverse, "inverse");
         const TensorView ws = conv.tensor(workspace, "workspace");
+        // The library takes the workspace as an address and a size: its layout is checked here.
+        if (ws.device != Device::kCUDA) conv.fail("workspace", "must be in device memory");
+        if (ws.rank != 1 || !ws.is_contiguous()) conv.fail("workspace", "must be 1-D and contiguous, got " + ws.describe());
         a.workspace = ws.data;
         a.workspace_size = std::size_t(ws.numel()) * dtype_size(ws.dtype);
         DeviceGuard guard(conv.cuda_device());

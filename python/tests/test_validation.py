@@ -417,7 +417,7 @@ def test_moe_permute_rules(dev):
     outs = dict(expert_offsets=dev.full((5,), -7, "int32"), permuted_token=dev.full((cap,), -7, "int32"),
                 inverse=dev.full((3, 2), -7, "int32"), workspace=dev.full((256,), 0, "int32"))
     expect_gpu_stage(lambda: tessera.moe_permute(ids, 4, align=8, **outs))
-    expect_error(lambda: tessera.moe_permute(ids, 4, align=0, **outs), "moe_permute_capacity", "tokens", "align >= 1")
+    expect_error(lambda: tessera.moe_permute(ids, 4, align=0, **outs), "moe_permute_capacity", "align", "1..1024")
     expect_error(lambda: tessera.moe_permute(ids, 4, align=8, **dict(outs, permuted_token=dev.full((5,), 0, "int32"))),
                  "moe_permute", "permuted_token", "moe_permute_capacity")
     expect_error(lambda: tessera.moe_permute(ids, 4, align=8, x=dev.randn((3, 64), "fp32"),

@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/arg_check.h"
 #include "kernels/moe/moe_params.h"
@@ -58,6 +59,10 @@ void moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
   check_matrix(check, a.topk_ids, "topk_ids", DType::kInt32, tokens, a.top_k);
   check_matrix(check, a.topk_weights, "topk_weights", DType::kFP32, tokens, a.top_k);
   check.disjoint(a.topk_ids, "topk_ids", a.topk_weights, "topk_weights");
+  if (a.selection_bias.data != nullptr) {
+    check.disjoint(a.topk_ids, "topk_ids", a.selection_bias, "selection_bias");
+    check.disjoint(a.topk_weights, "topk_weights", a.selection_bias, "selection_bias");
+  }
   check.disjoint(a.topk_ids, "topk_ids", a.logits, "logits");
   check.disjoint(a.topk_weights, "topk_weights", a.logits, "logits");
 
@@ -79,17 +84,28 @@ void moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
   kernels::moe::launch_route(p, stream);
 }
 
+namespace {
+// The shape rules the sizing helpers share; counts beyond 2^31 rows are refused by moe_permute.
+void check_permute_shape(const detail::ArgCheck& check, int64_t tokens, int64_t top_k, int64_t num_experts,
+                         int64_t align) {
+  TESSERA_REQUIRE(check, tokens >= 0 && tokens < (int64_t(1) << 31), "tokens", "must be in 0..2^31 - 1");
+  TESSERA_REQUIRE(check, top_k >= 1 && top_k <= 64, "top_k", "must be in 1..64, got " + std::to_string(top_k));
+  TESSERA_REQUIRE(check, num_experts >= 1 && num_experts <= kernels::moe::kMaxPermuteExperts, "num_experts",
+                  "must be in 1.." + std::to_string(kernels::moe::kMaxPermuteExperts) + ", got " +
+                      std::to_string(num_experts));
+  TESSERA_REQUIRE(check, align >= 1 && align <= 1024, "align", "must be in 1..1024, got " + std::to_string(align));
+}
+}  // namespace
+
 int64_t moe_permute_capacity(int64_t tokens, int top_k, int num_experts, int align) {
   const detail::ArgCheck check("moe_permute_capacity");
-  TESSERA_REQUIRE(check, tokens >= 0 && top_k >= 1 && num_experts >= 1 && align >= 1, "tokens",
-                  "tokens >= 0, top_k, num_experts and align >= 1 required");
+  check_permute_shape(check, tokens, top_k, num_experts, align);
   return tokens * top_k + int64_t(num_experts) * (align - 1);
 }
 
 std::size_t moe_permute_workspace_bytes(int64_t tokens, int top_k, int num_experts) {
   const detail::ArgCheck check("moe_permute_workspace_bytes");
-  TESSERA_REQUIRE(check, tokens >= 0 && top_k >= 1 && num_experts >= 1, "tokens",
-                  "tokens >= 0, top_k and num_experts >= 1 required");
+  check_permute_shape(check, tokens, top_k, num_experts, 1);
   const int64_t entries = tokens * top_k;
   const int64_t ranks = (entries + 63) / 64 * 64;  // the chunk bases start 256 bytes after an aligned base
   return std::size_t(ranks + kernels::moe::permute_chunks(entries) * num_experts) * sizeof(int32_t);
@@ -101,12 +117,11 @@ void moe_permute(const MoePermuteArgs& a, cudaStream_t stream) {
   check.dtype(a.topk_ids, "topk_ids", {DType::kInt32});
   TESSERA_REQUIRE(check, a.topk_ids.is_contiguous(), "topk_ids", "must be row-major contiguous, got " + a.topk_ids.describe());
   const int64_t tokens = a.topk_ids.size(0);
+  TESSERA_REQUIRE(check, a.topk_ids.size(1) >= 1 && a.topk_ids.size(1) <= 64, "topk_ids",
+                  "top_k (dim 1) must be in 1..64, got " + std::to_string(a.topk_ids.size(1)));
+  TESSERA_REQUIRE(check, tokens < (int64_t(1) << 31), "topk_ids", "more than 2^31 - 1 tokens");
   const int top_k = static_cast<int>(a.topk_ids.size(1));
-  TESSERA_REQUIRE(check, top_k >= 1 && top_k <= 64, "topk_ids", "top_k (dim 1) must be in 1..64");
-  TESSERA_REQUIRE(check, a.num_experts >= 1 && a.num_experts <= kernels::moe::kMaxPermuteExperts, "num_experts",
-                  "must be in 1.." + std::to_string(kernels::moe::kMaxPermuteExperts) + ", got " +
-                      std::to_string(a.num_experts));
-  TESSERA_REQUIRE(check, a.align >= 1 && a.align <= 1024, "align", "must be in 1..1024, got " + std::to_string(a.align));
+  check_permute_shape(check, tokens, top_k, a.num_experts, a.align);
   const int64_t entries = tokens * top_k;
   TESSERA_REQUIRE(check, entries + int64_t(a.num_experts) * a.align < (int64_t(1) << 31), "topk_ids",
                   "tokens x top_k + num_experts x align must stay below 2^31");
@@ -139,14 +154,17 @@ void moe_permute(const MoePermuteArgs& a, cudaStream_t stream) {
                         std::to_string(capacity));
     check.vectorizable_rows(a.permuted_x, "permuted_x");
     check.output_layout(a.permuted_x, "permuted_x");
-    check.disjoint(a.permuted_x, "permuted_x", a.x, "x");
   }
-  // Outputs apart from each other and from the ids.
-  const std::pair<const TensorView*, const char*> outs[] = {
-      {&a.expert_offsets, "expert_offsets"}, {&a.permuted_token, "permuted_token"}, {&a.inverse, "inverse"}};
+  // Outputs and the workspace apart from each other and from every input.
+  const TensorView ws_view = TensorView::contiguous(a.workspace, DType::kInt32, {int64_t(ws / sizeof(int32_t))});
+  std::vector<std::pair<const TensorView*, const char*>> outs = {{&a.expert_offsets, "expert_offsets"},
+                                                                  {&a.permuted_token, "permuted_token"},
+                                                                  {&a.inverse, "inverse"}};
+  if (ws > 0) outs.push_back({&ws_view, "workspace"});
+  if (rows) outs.push_back({&a.permuted_x, "permuted_x"});
   for (const auto& [o, name] : outs) {
     check.disjoint(*o, name, a.topk_ids, "topk_ids");
-    if (rows) check.disjoint(*o, name, a.permuted_x, "permuted_x");
+    if (rows) check.disjoint(*o, name, a.x, "x");
     for (const auto& [o2, name2] : outs) {
       if (o < o2) check.disjoint(*o, name, *o2, name2);
     }

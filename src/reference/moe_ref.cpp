@@ -15,10 +15,15 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("tessera::ref: " + what);
 }
 
-// Orders ids by decreasing key, ties toward the lower id. Keys must not be NaN.
+// Orders ids by decreasing key, ties toward the lower id, NaN keys last (by id among themselves):
+// a strict weak order for any keys.
 void sort_by_key_desc(std::vector<int>& ids, const std::vector<double>& key) {
-  std::sort(ids.begin(), ids.end(),
-            [&](int a, int b) { return key[a] != key[b] ? key[a] > key[b] : a < b; });
+  std::sort(ids.begin(), ids.end(), [&](int a, int b) {
+    const bool nan_a = std::isnan(key[a]), nan_b = std::isnan(key[b]);
+    if (nan_a != nan_b) return nan_b;
+    if (!nan_a && key[a] != key[b]) return key[a] > key[b];
+    return a < b;
+  });
 }
 
 void check_router(const RouterParams& p) {
@@ -69,7 +74,12 @@ Routing route(const float* logits, int64_t tokens, const RouterParams& p) {
       for (int g = 0; g < p.num_groups; ++g) {
         std::vector<double> members(biased.begin() + g * group_size,
                                     biased.begin() + (g + 1) * group_size);
-        std::sort(members.begin(), members.end(), std::greater<double>());
+        // NaN members rank below every number (the group score is then NaN only if the group holds
+        // fewer than two numbers).
+        std::sort(members.begin(), members.end(), [](double a, double b) {
+          if (std::isnan(a) != std::isnan(b)) return std::isnan(b);
+          return !std::isnan(a) && a > b;
+        });
         const int top = std::min(2, group_size);
         group_score[g] = std::accumulate(members.begin(), members.begin() + top, 0.0);
       }

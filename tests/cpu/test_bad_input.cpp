@@ -743,3 +743,47 @@ TEST(DeviceInfoText, ListsThePathAndTheMoeParts) {
 
 }  // namespace
 }  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// Overlaps the first MoE validation missed (review): the bias against the outputs, the workspace
+// against the ids, x against the outputs, permuted_x against the ids; sizing helpers name their
+// argument.
+TEST(BadInputMoe, OverlapsAndSizing) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  (void)cudaGetLastError();
+  if (gpus > 0) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  MoeRouteArgs r;
+  r.logits = TensorView::contiguous(fake(), DType::kFP32, {16, 64});
+  r.top_k = 8;
+  r.topk_ids = TensorView::contiguous(fake(1 << 20), DType::kInt32, {16, 8});
+  r.topk_weights = TensorView::contiguous(fake(2 << 20), DType::kFP32, {16, 8});
+  r.selection_bias = TensorView::contiguous(fake(2 << 20), DType::kFP32, {64});  // inside topk_weights
+  expect_error([&] { moe_route(r, nullptr); }, {"'topk_weights'", "'selection_bias'"});
+
+  const int64_t cap = moe_permute_capacity(16, 2, 8, 1);
+  MoePermuteArgs p;
+  p.topk_ids = TensorView::contiguous(fake(), DType::kInt32, {16, 2});
+  p.num_experts = 8;
+  p.expert_offsets = TensorView::contiguous(fake(1 << 20), DType::kInt32, {9});
+  p.permuted_token = TensorView::contiguous(fake(2 << 20), DType::kInt32, {cap});
+  p.inverse = TensorView::contiguous(fake(3 << 20), DType::kInt32, {16, 2});
+  p.workspace = fake(16);  // inside topk_ids
+  p.workspace_size = moe_permute_workspace_bytes(16, 2, 8);
+  expect_error([&] { moe_permute(p, nullptr); }, {"'workspace'", "'topk_ids'"});
+  p.workspace = fake(4 << 20);
+  p.x = TensorView::contiguous(fake(3 << 20), DType::kBF16, {16, 64});  // over inverse
+  p.permuted_x = TensorView::contiguous(fake(5 << 20), DType::kBF16, {cap, 64});
+  expect_error([&] { moe_permute(p, nullptr); }, {"'inverse'", "'x'"});
+  p.x = TensorView::contiguous(fake(6 << 20), DType::kBF16, {16, 64});
+  p.permuted_x = TensorView::contiguous(fake(), DType::kBF16, {cap, 64});  // over topk_ids
+  expect_error([&] { moe_permute(p, nullptr); }, {"'permuted_x'", "'topk_ids'"});
+  expect_error([] { moe_permute_capacity(4, 0, 8, 1); }, {"argument 'top_k'"});
+  expect_error([] { moe_permute_capacity(4, 2, 8, 0); }, {"argument 'align'"});
+  expect_error([] { moe_permute_workspace_bytes(4, 2, 2000); }, {"argument 'num_experts'"});
+}
+
+}  // namespace
+}  // namespace tessera

@@ -49,7 +49,9 @@ void run_route(const RouteCase& c, uint32_t seed) {
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
     for (int e = 0; e < c.experts; ++e) {
-      const float x = c.ties ? 0.5f : -3.f + 6.f * float(order[e]) / float(c.experts);
+      // Offset by a third of a step: no two logits are negatives of each other, so sigmoid pairs
+      // never sum to exactly 1 and group scores do not tie exactly.
+      const float x = c.ties ? 0.5f : -3.f + 6.f * (float(order[e]) + 1.f / 3.f) / float(c.experts);
       logits[size_t(t) * c.experts + e] = c.dtype == DType::kFP32 ? x : round_to(x, c.dtype);
     }
   }
@@ -124,7 +126,7 @@ TEST(GpuMoeRoute, AgainstTheReference) {
         c.top_k = top_k;
         c.score = r % 2 ? MoeScore::kSigmoid : MoeScore::kSoftmax;
         c.renormalize = r % 3 != 0;
-        c.dtype = r % 4 == 1 ? DType::kBF16 : r % 4 == 3 ? DType::kFP16 : DType::kFP32;
+        c.dtype = (r / 2) % 3 == 1 ? DType::kBF16 : (r / 2) % 3 == 2 ? DType::kFP16 : DType::kFP32;  // x both scores
         c.routed_scaling = r % 5 == 2 ? 2.5f : 1.f;
         run_route(c, seed++);
         ++r;
@@ -283,11 +285,13 @@ void run_permute(const PermuteCase& c, uint32_t seed) {
   a.inverse = TensorView::contiguous(d_inv.get(), DType::kInt32, {c.tokens, c.top_k});
   a.workspace = d_ws.get();
   a.workspace_size = ws_bytes;
+  // Integer outputs start as 0x5A5A5A5A, not the poison's -1, which is a value they must hold.
+  auto fill_int_outputs = [&] {
+    for (DeviceBuffer* b : {&d_off, &d_tok, &d_inv}) cudaMemset(b->get(), 0x5A, b->bytes());
+  };
   auto run = [&](cudaStream_t stream) {
     d_px.poison();
-    d_off.poison();
-    d_tok.poison();
-    d_inv.poison();
+    fill_int_outputs();
     moe_permute(a, stream);
     if (cudaStreamSynchronize(stream) != cudaSuccess) throw std::runtime_error("moe_permute failed on the GPU");
     PermuteRun r;
@@ -317,7 +321,9 @@ void run_permute(const PermuteCase& c, uint32_t seed) {
   }
   // Deterministic, and the same inside a CUDA graph.
   const PermuteRun again = run(nullptr);
-  EXPECT_TRUE(again.inverse == got.inverse && again.rows == got.rows && again.permuted_token == got.permuted_token);
+  EXPECT_TRUE(again.inverse == got.inverse && again.rows == got.rows && again.permuted_token == got.permuted_token &&
+              again.offsets == got.offsets)
+      << "a second run differs";
   Stream stream;
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -326,13 +332,12 @@ void run_permute(const PermuteCase& c, uint32_t seed) {
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   d_px.poison();
-  d_off.poison();
-  d_tok.poison();
-  d_inv.poison();
+  fill_int_outputs();
   CUDA_OK(cudaGraphLaunch(exec, stream));
   CUDA_OK(cudaStreamSynchronize(stream));
   EXPECT_EQ(d_off.download<int32_t>(size_t(c.experts + 1)), got.offsets) << "graph replay";
   EXPECT_EQ(d_inv.download<int32_t>(size_t(entries)), got.inverse) << "graph replay";
+  EXPECT_EQ(d_tok.download<int32_t>(size_t(capacity)), got.permuted_token) << "graph replay";
   EXPECT_EQ(d_px.download<uint16_t>(size_t(capacity) * c.hidden), got.rows) << "graph replay";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -357,6 +362,14 @@ TEST(GpuMoePermute, AgainstTheReference) {
       }
     }
   }
+  // Several chunks with a partial last one, one expert, the most experts, the widest alignment,
+  // no tokens, expert counts that are not powers of two.
+  const PermuteCase edges[] = {
+      {1000, 3, 60, 16, 136, PermuteCase::kDropped}, {257, 2, 1, 1, 64, PermuteCase::kUniform},
+      {300, 4, 1024, 1, 8, PermuteCase::kUniform},   {50, 2, 160, 1024, 8, PermuteCase::kHalfEmpty},
+      {0, 2, 8, 16, 64, PermuteCase::kUniform},
+  };
+  for (const PermuteCase& c : edges) run_permute(c, seed++);
   // 32768 tokens x top-8 (256 chunks of entries), 128 experts, everything to one expert too.
   for (auto skew : {PermuteCase::kUniform, PermuteCase::kOneExpert}) {
     PermuteCase c;
