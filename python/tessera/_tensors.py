@@ -113,6 +113,11 @@ def describe(x: Any, entry: str = "tensor_info", arg: str = "x") -> Tuple[Any, b
     return _ext.tensor_info(x, entry, arg)
 
 
+def shape(x: Any, entry: str, arg: str) -> Tuple[int, ...]:
+    """x's shape (torch tensors without a call into the extension)."""
+    return tuple(x.shape) if is_torch(x) else describe(x, entry, arg)[3]
+
+
 def empty(shape: Sequence[int], dtype: Any, like: Any) -> Any:
     """An uninitialised tensor of `shape` and DType `dtype` where `like` lives: a torch tensor for
     torch `like`; else a CUDA array through DLPack (tessera's own allocation) or a NumPy array."""
@@ -129,12 +134,14 @@ def empty(shape: Sequence[int], dtype: Any, like: Any) -> Any:
     return np.empty(tuple(shape), dtype=numpy_dtype)
 
 
-def empty_like(x: Any, entry: str, arg: str) -> Any:
+def empty_like(x: Any, entry: str, arg: str, rows: Optional[int] = None) -> Any:
+    """An uninitialised tensor like x (its dtype and device), with `rows` rows if given."""
     if is_torch(x):
         torch = _torch
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dtype, _, _, shape = describe(x, entry, arg)
-    return empty(shape, dtype, like=x)
+        dims = tuple(x.shape) if rows is None else (rows,) + tuple(x.shape[1:])
+        return torch.empty(dims, dtype=x.dtype, device=x.device)
+    dtype, _, _, dims = describe(x, entry, arg)
+    return empty(dims if rows is None else (rows,) + tuple(dims[1:]), dtype, like=x)
 
 
 # ---- index arrays ----------------------------------------------------------------------------------

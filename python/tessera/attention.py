@@ -29,8 +29,7 @@ class _QuerySide:
         self.want_lse = return_lse or lse is not None
         self.o = out if out is not None else T.empty_like(q, entry, "q")
         if lse is None and return_lse:
-            shape = tuple(q.shape) if T.is_torch(q) else T.describe(q, entry, "q")[3]
-            lse = T.empty(shape[:2], _ext.DType.FP32, like=q)
+            lse = T.empty(T.shape(q, entry, "q")[:2], _ext.DType.FP32, like=q)
         self.lse = lse
         self.path = attention_path(entry, path)
         self.torch_op = _ops.use_torch_op(q)
@@ -84,6 +83,15 @@ def batch_prefill(q: Any, k: Any, v: Any, qo_indptr: Any, kv_indptr: Any, *,
     return a.result()
 
 
+def _page_table(entry: str, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, host_kv_indptr: Optional[Any],
+                host_kv_indices: Optional[Any], host_kv_last_page_len: Optional[Any], q: Any, stream: int):
+    """The page table's device arrays and host copies (each given on either side, see T.index_pair)."""
+    indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, stream)
+    indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, q, stream)
+    last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, q, stream)
+    return indptr, indices, last, indptr_host, indices_host, last_host
+
+
 @T.stream_scope("q", 0)
 def batch_prefill_paged(q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[Any],
                         kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
@@ -107,9 +115,9 @@ def batch_prefill_paged(q: Any, qo_indptr: Any, k_pages: Any, v_pages: Optional[
     """
     entry = "batch_prefill_paged"
     a = _QuerySide(entry, q, qo_indptr, host_qo_indptr, out, lse, return_lse, path, stream)
-    indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, a.stream)
-    indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, q, a.stream)
-    last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, q, a.stream)
+    indptr, indices, last, indptr_host, indices_host, last_host = _page_table(
+        entry, kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr, host_kv_indices, host_kv_last_page_len, q,
+        a.stream)
     if a.torch_op:
         _ops.torch_ops().batch_prefill_paged(
             q, a.qo, a.qo_host, k_pages, v_pages, layout, indptr, indices, last, indptr_host, indices_host,
@@ -181,10 +189,9 @@ class BatchPrefillPaged:
         entry = "BatchPrefillPaged::run"
         a = _QuerySide(entry, q, qo_indptr, host_qo_indptr, out, lse, return_lse, path, stream)
         stream_handle = T.resolve_stream(stream, q)
-        indptr, indptr_host = T.index_pair(entry, "kv_indptr", kv_indptr, host_kv_indptr, q, stream_handle)
-        indices, indices_host = T.index_pair(entry, "kv_indices", kv_indices, host_kv_indices, q, stream_handle)
-        last, last_host = T.index_pair(entry, "kv_last_page_len", kv_last_page_len, host_kv_last_page_len, q,
-                                       stream_handle)
+        indptr, indices, last, indptr_host, indices_host, last_host = _page_table(
+            entry, kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr, host_kv_indices, host_kv_last_page_len,
+            q, stream_handle)
         self._impl.run(q, a.qo, a.qo_host, k_pages, v_pages, layout, indptr, indices, last, indptr_host,
                        indices_host, last_host, a.o, a.lse, causal, window_left, float(scale or 0.0),
                        float(soft_cap), a.path, stream_handle)

@@ -37,10 +37,6 @@ def _alloc_state(entry: str, like_o: Any, like_s: Any, o_shape, s_shape, out_dty
     return o, T.empty(s_shape, _ext.DType.FP32, like=like_s)
 
 
-def _shape(x: Any, entry: str, arg: str):
-    return tuple(x.shape) if T.is_torch(x) else T.describe(x, entry, arg)[3]
-
-
 @T.stream_scope("o_a", 0)
 def merge_state(o_a: Any, s_a: Any, o_b: Any, s_b: Any, *, out: Optional[Any] = None,
                 s_out: Optional[Any] = None, out_dtype: Optional[Any] = None,
@@ -53,7 +49,7 @@ def merge_state(o_a: Any, s_a: Any, o_b: Any, s_b: Any, *, out: Optional[Any] = 
     """
     entry = "merge_state"
     if out is None or s_out is None:
-        o_new, s_new = _alloc_state(entry, o_a, s_a, _shape(o_a, entry, "o_a"), _shape(s_a, entry, "s_a"), out_dtype)
+        o_new, s_new = _alloc_state(entry, o_a, s_a, T.shape(o_a, entry, "o_a"), T.shape(s_a, entry, "s_a"), out_dtype)
         out = o_new if out is None else out
         s_out = s_new if s_out is None else s_out
     if _ops.use_torch_op(o_a):
@@ -83,7 +79,7 @@ def merge_states(o_parts: Any, s_parts: Any, *, out: Optional[Any] = None, s_out
     entry = "merge_states"
     want_lse = return_lse or s_out is not None
     if out is None or (want_lse and s_out is None):
-        p = _shape(o_parts, entry, "o_parts")
+        p = T.shape(o_parts, entry, "o_parts")
         o_shape = (p[0], p[2], p[3]) if len(p) == 4 else p
         o_new, s_new = _alloc_state(entry, o_parts, s_parts, o_shape, o_shape[:2], out_dtype)
         out = o_new if out is None else out

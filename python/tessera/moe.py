@@ -16,10 +16,6 @@ from . import _tessera as _ext
 _SCORES = {"softmax": 0, "sigmoid": 1}
 
 
-def _shape(x: Any, entry: str, arg: str):
-    return tuple(x.shape) if T.is_torch(x) else T.describe(x, entry, arg)[3]
-
-
 @T.stream_scope("logits", 0)
 def moe_route(logits: Any, top_k: int, *, score: str = "softmax", renormalize: bool = False,
               selection_bias: Optional[Any] = None, num_groups: int = 1, topk_groups: int = 1,
@@ -38,7 +34,7 @@ def moe_route(logits: Any, top_k: int, *, score: str = "softmax", renormalize: b
     entry = "moe_route"
     if score not in _SCORES:
         T.fail(entry, "score", "must be 'softmax' or 'sigmoid', got %r" % (score,))
-    tokens = _shape(logits, entry, "logits")[0]
+    tokens = T.shape(logits, entry, "logits")[0]
     if topk_ids is None:
         topk_ids = T.empty((tokens, top_k), _ext.DType.INT32, like=logits)
     if topk_weights is None:
@@ -80,7 +76,7 @@ def moe_permute(topk_ids: Any, num_experts: int, *, align: int = 1, x: Optional[
     moe_permute_capacity(...) rows. Raises tessera.Error for invalid arguments.
     """
     entry = "moe_permute"
-    tokens, top_k = _shape(topk_ids, entry, "topk_ids")[:2]
+    tokens, top_k = T.shape(topk_ids, entry, "topk_ids")[:2]
     capacity = moe_permute_capacity(tokens, top_k, num_experts, align)
     if expert_offsets is None:
         expert_offsets = T.empty((num_experts + 1,), _ext.DType.INT32, like=topk_ids)
@@ -89,12 +85,7 @@ def moe_permute(topk_ids: Any, num_experts: int, *, align: int = 1, x: Optional[
     if inverse is None:
         inverse = T.empty((tokens, top_k), _ext.DType.INT32, like=topk_ids)
     if x is not None and permuted_x is None:
-        dtype, _, _, shape = (x.dtype, None, None, tuple(x.shape)) if T.is_torch(x) else T.describe(x, entry, "x")
-        if T.is_torch(x):
-            torch = T.torch_module()
-            permuted_x = torch.empty((capacity, shape[1]), dtype=x.dtype, device=x.device)
-        else:
-            permuted_x = T.empty((capacity, shape[1]), dtype, like=x)
+        permuted_x = T.empty_like(x, entry, "x", rows=capacity)
     if workspace is None:
         words = (_ext.moe_permute_workspace_bytes(tokens, top_k, num_experts) + 3) // 4
         workspace = T.empty((max(words, 1),), _ext.DType.INT32, like=topk_ids)

@@ -162,13 +162,13 @@ int max_qo_len(const TensorView& qo_indptr, const int32_t* host_qo_indptr) {
 }
 
 // What both prefill entry points fill the same way: queries, outputs, LSE, qo_indptr, head counts,
-// the launch size and the variant. `max_kv` is the longest request's KV (host copies), checked
-// against the kernels' token limit.
+// the launch size and the variant. `max_qo` / `max_kv` are the longest request's rows and KV (host
+// copies); max_kv is checked against the kernels' token limit.
 kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const TensorView& q,
                                          const TensorView& o, const TensorView& lse,
-                                         const TensorView& qo_indptr, const int32_t* host_qo_indptr,
-                                         int num_kv_heads, int64_t max_kv, bool causal,
-                                         int window_left, float scale, float soft_cap) {
+                                         const TensorView& qo_indptr, int max_qo, int num_kv_heads,
+                                         int64_t max_kv, bool causal, int window_left, float scale,
+                                         float soft_cap) {
   kernels::PrefillParams p;
   p.q = q.data;
   p.o = o.data;
@@ -185,7 +185,6 @@ kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const Te
   p.batch_size = static_cast<int>(qo_indptr.size(0) - 1);
   p.num_qo_heads = static_cast<int>(q.size(1));
   p.num_kv_heads = num_kv_heads;
-  const int max_qo = max_qo_len(qo_indptr, host_qo_indptr);
   TESSERA_REQUIRE(check, max_kv <= format::kMaxRowTokens, "kv_indptr",
                   "a request holds " + std::to_string(max_kv) + " tokens; at most 2^31 - 2^16 are supported");
   p.max_qo_len = max_qo;
@@ -201,17 +200,21 @@ kernels::PrefillParams query_side_params(const detail::ArgCheck& check, const Te
 }  // namespace
 
 namespace {
-// The paged launch's problem shape as the family choice sees it.
-dispatch::PrefillProblem paged_problem(const PagedPrefillArgs& a) {
-  const int head_dim = static_cast<int>(a.q.size(2));
+// The launch's problem shape as the family choice sees it: (request, head, Hopper query tile)
+// triples, and for paged K / V the page size.
+dispatch::PrefillProblem prefill_problem(const TensorView& q, const TensorView& qo_indptr, int max_qo,
+                                         int page_size) {
   dispatch::PrefillProblem problem;
-  problem.paged = true;
-  problem.page_size = static_cast<int>(a.cache.page_size());
+  problem.paged = page_size > 0;
+  problem.page_size = page_size;
   problem.shared_memory_per_block = dispatch::shared_memory_per_block();
-  const int64_t block_m = kernels::sm90::prefill_sm90_block_m(head_dim);
-  const int max_qo = max_qo_len(a.qo_indptr, a.host_qo_indptr);
-  problem.tiles = (a.qo_indptr.size(0) - 1) * a.q.size(1) * ((max_qo + block_m - 1) / block_m);
+  const int64_t block_m = kernels::sm90::prefill_sm90_block_m(static_cast<int>(q.size(2)));
+  problem.tiles = (qo_indptr.size(0) - 1) * q.size(1) * ((max_qo + block_m - 1) / block_m);
   return problem;
+}
+
+dispatch::PrefillProblem paged_problem(const PagedPrefillArgs& a, int max_qo) {
+  return prefill_problem(a.q, a.qo_indptr, max_qo, static_cast<int>(a.cache.page_size()));
 }
 }  // namespace
 
@@ -219,7 +222,7 @@ AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args) {
   const detail::ArgCheck check("batch_prefill_paged");
   validate_paged(check, args);
   return choose_path("batch_prefill_paged", args.path, args.q.dtype, static_cast<int>(args.q.size(2)),
-                     paged_problem(args));
+                     paged_problem(args, max_qo_len(args.qo_indptr, args.host_qo_indptr)));
 }
 
 namespace detail {
@@ -228,7 +231,8 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
   validate_paged(check, a);
   const PagedKVCache& c = a.cache;
   const int head_dim = static_cast<int>(a.q.size(2));
-  path = choose_path(check.entry_point(), a.path, a.q.dtype, head_dim, paged_problem(a));
+  const int max_qo = max_qo_len(a.qo_indptr, a.host_qo_indptr);
+  path = choose_path(check.entry_point(), a.path, a.q.dtype, head_dim, paged_problem(a, max_qo));
 
   int64_t max_kv = 0;
   for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
@@ -236,9 +240,8 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
     max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
   }
   kernels::PrefillParams p =
-      query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, a.host_qo_indptr,
-                        static_cast<int>(c.num_kv_heads()), max_kv, a.causal, a.window_left,
-                        a.scale, a.soft_cap);
+      query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, max_qo, static_cast<int>(c.num_kv_heads()),
+                        max_kv, a.causal, a.window_left, a.scale, a.soft_cap);
   const bool nhd = c.layout == KVLayout::kNHD;
   p.k = c.k_pages.data;
   p.v = c.v_pages.data;
@@ -261,8 +264,8 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
   return p;
 }
 
-void launch_paged_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
-                          cudaStream_t stream) {
+void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
+                    cudaStream_t stream) {
   if (path == AttentionPath::kHopper) {
     kernels::sm90::launch_prefill_sm90(dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
                                        dispatch::sm_count(), stream);
@@ -277,25 +280,14 @@ void batch_prefill_paged(const PagedPrefillArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("batch_prefill_paged");
   AttentionPath path = AttentionPath::kAuto;
   const kernels::PrefillParams p = detail::paged_prefill_params(check, a, path);
-  detail::launch_paged_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
+  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
 }
-
-namespace {
-// The launch's problem shape as the family choice sees it.
-dispatch::PrefillProblem ragged_problem(const PrefillArgs& a, int max_qo) {
-  dispatch::PrefillProblem problem;
-  const int64_t block_m = kernels::sm90::prefill_sm90_block_m(static_cast<int>(a.q.size(2)));
-  problem.tiles = (a.qo_indptr.size(0) - 1) * a.q.size(1) * ((max_qo + block_m - 1) / block_m);
-  problem.shared_memory_per_block = dispatch::shared_memory_per_block();
-  return problem;
-}
-}  // namespace
 
 AttentionPath choose_prefill_path(const PrefillArgs& args) {
   const detail::ArgCheck check("batch_prefill");
   validate(check, args);
   return choose_path("batch_prefill", args.path, args.q.dtype, static_cast<int>(args.q.size(2)),
-                     ragged_problem(args, max_qo_len(args.qo_indptr, args.host_qo_indptr)));
+                     prefill_problem(args.q, args.qo_indptr, max_qo_len(args.qo_indptr, args.host_qo_indptr), 0));
 }
 
 void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
@@ -306,11 +298,10 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
     max_kv = std::max<int64_t>(max_kv, a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]);
   }
   kernels::PrefillParams p =
-      query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, a.host_qo_indptr,
-                        static_cast<int>(a.k.size(1)), max_kv, a.causal, a.window_left, a.scale,
-                        a.soft_cap);
+      query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, max_qo_len(a.qo_indptr, a.host_qo_indptr),
+                        static_cast<int>(a.k.size(1)), max_kv, a.causal, a.window_left, a.scale, a.soft_cap);
   const AttentionPath path = choose_path("batch_prefill", a.path, a.q.dtype, static_cast<int>(a.q.size(2)),
-                                         ragged_problem(a, p.max_qo_len));
+                                         prefill_problem(a.q, a.qo_indptr, p.max_qo_len, 0));
   p.k = a.k.data;
   p.v = a.v.data;
   p.k_stride_row = a.k.stride[0];
@@ -320,13 +311,7 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.kv_indptr = static_cast<const int32_t*>(a.kv_indptr.data);
   p.q_rows = a.q.size(0);
   p.kv_rows = a.k.size(0);
-  const int head_dim = static_cast<int>(a.q.size(2));
-  if (path == AttentionPath::kHopper) {
-    kernels::sm90::launch_prefill_sm90(a.q.dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
-                                       dispatch::sm_count(), stream);
-  } else {
-    kernels::launch_prefill_sm80(a.q.dtype, head_dim, p, stream);
-  }
+  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
 }
 
 }  // namespace tessera

@@ -13,8 +13,9 @@ namespace tessera::detail {
 // for them (no split).
 kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPrefillArgs& args, AttentionPath& path);
 
-// Launches the unsplit paged prefill (or, with p.kv_splits > 1, the portable family's split) on `path`.
-void launch_paged_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
-                          cudaStream_t stream);
+// Launches a prefill (ragged or paged: p.paged; with p.kv_splits > 1 the portable family's split)
+// on the family `path`.
+void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
+                    cudaStream_t stream);
 
 }  // namespace tessera::detail

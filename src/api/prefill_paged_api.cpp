@@ -133,7 +133,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
                       std::to_string(config_.page_size));
   const int64_t splits = info_.kv_splits;
   if (splits == 1) {
-    detail::launch_paged_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
+    detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
     return;
   }
   TESSERA_REQUIRE(check, a.q.size(0) <= config_.max_q_rows, "q",
