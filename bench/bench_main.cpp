@@ -13,6 +13,10 @@
 //   tessera_bench prefill_plan name=q512_kv32k_b2 batch=2 qo_len=512 kv_len=32768 num_qo_heads=32 num_kv_heads=8
 //                 head_dim=128 page_size=16 [causal=true] [layout=NHD|HND]
 //                 [lengths=list qo_lens=512,1,... kv_lens=16384,4096,... (batch values each)]
+//   tessera_bench moe_gemm name=deepseek_v3_up_t128 experts=256 top_k=8 tokens=128 K=7168 N=4096
+//                 activation=swiglu|none routing=random|balanced [seed=1]
+//   tessera_bench moe_layer name=qwen3_30b_t1024 experts=128 top_k=8 tokens=1024 hidden=2048 inter=768
+//                 [score=softmax|sigmoid] [renormalize=true|false] [seed=1]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -677,12 +681,256 @@ int bench_memory(const Args& a) {
   return 0;
 }
 
+// ---- MoE: moe_gemm (the grouped GEMM alone) and moe_layer (fused_moe) ----------------------------
+
+// Routing of a moe_gemm case (top_k copies of each of `tokens` tokens), identical to moe_routing()
+// in bench/peers.py, so both sides run the same rows per expert:
+//   balanced: copy i = t * top_k + j goes to expert i % experts (every expert gets the same rows
+//             when tokens * top_k is a multiple of experts; PERF.md's MoE table was measured so);
+//   random:   one splitmix64 stream seeded with `seed`; for each token in order and j < top_k,
+//             draw e = next() % experts until e differs from the token's earlier picks (a uniform
+//             top_k choice per token; modulo bias < 2^-56).
+std::vector<int32_t> moe_routing(const std::string& kind, int64_t tokens, int top_k, int experts, uint64_t seed) {
+  if (top_k < 1 || top_k > experts) throw Error("moe bench: top_k must be in 1..experts");
+  std::vector<int32_t> ids(size_t(tokens) * top_k);
+  if (kind == "balanced") {
+    if ((tokens * top_k) % experts != 0) throw Error("moe bench: balanced routing needs tokens * top_k % experts == 0");
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i % size_t(experts));
+    return ids;
+  }
+  if (kind != "random") throw Error("moe bench: routing must be balanced or random, got '" + kind + "'");
+  SplitMix64 rng{seed};
+  for (int64_t t = 0; t < tokens; ++t) {
+    int32_t* picked = ids.data() + t * top_k;
+    for (int j = 0; j < top_k;) {
+      const int32_t e = int32_t(rng.next() % uint64_t(experts));
+      if (std::find(picked, picked + j, e) == picked + j) picked[j++] = e;
+    }
+  }
+  return ids;
+}
+
+// Router logits of a moe_layer case, [tokens, experts] fp32 row-major, identical to
+// moe_router_logits() in bench/peers.py: one splitmix64 stream seeded with `seed`, one draw per
+// (token, expert) in row-major order; u = (draw >> 48) << 8 | expert (24 bits), logit =
+// (u - 2^23) / 2^21, in [-4, 4). Exact in fp32 on both sides, and never equal within a token (the
+// low byte is the expert id; experts <= 256), so top-k has no ties to break.
+std::vector<float> moe_router_logits(int64_t tokens, int experts, uint64_t seed) {
+  if (experts > 256) throw Error("moe bench: router logits are generated for at most 256 experts");
+  std::vector<float> logits(size_t(tokens) * experts);
+  SplitMix64 rng{seed};
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const int64_t u = int64_t(((rng.next() >> 48) << 8) | uint64_t(i % size_t(experts)));
+    logits[i] = float(double(u - (int64_t(1) << 23)) / double(1 << 21));
+  }
+  return logits;
+}
+
+// The top_k experts of each token by logit (every score moe_route offers is monotonic in the
+// logit): the routing tessera must have chosen, to check fused_moe's topk_ids against.
+std::vector<int32_t> host_top_k(const std::vector<float>& logits, int64_t tokens, int experts, int top_k) {
+  std::vector<int32_t> ids(size_t(tokens) * top_k), order(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = logits.data() + t * experts;
+    for (int e = 0; e < experts; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [row](int32_t x, int32_t y) { return row[x] > row[y]; });
+    std::copy(order.begin(), order.begin() + top_k, ids.begin() + t * top_k);
+  }
+  return ids;
+}
+
+// Rows per expert of a routing, and what the records report of it. expert_rows_fnv is FNV-1a
+// (64-bit) over the per-expert row counts in expert order (h ^= count; h *= 1099511628211), printed
+// as 16 hex digits; bench/peers.py computes the same and its merge flags a mismatch.
+struct ExpertRows {
+  std::vector<int64_t> rows;  // [experts]
+  int64_t total = 0, max_rows = 0;
+  int touched = 0;
+  uint64_t fnv = 14695981039346656037ull;
+};
+ExpertRows expert_rows(const std::vector<int32_t>& ids, int experts) {
+  ExpertRows r;
+  r.rows.assign(experts, 0);
+  for (const int32_t e : ids) ++r.rows[e];
+  for (const int64_t n : r.rows) {
+    r.total += n;
+    r.max_rows = std::max(r.max_rows, n);
+    r.touched += n > 0;
+    r.fnv = (r.fnv ^ uint64_t(n)) * 1099511628211ull;
+  }
+  return r;
+}
+std::string routing_json(const ExpertRows& r) {
+  char s[160];
+  std::snprintf(s, sizeof(s), ", \"rows\": %lld, \"touched_experts\": %d, \"max_expert_rows\": %lld, "
+                "\"expert_rows_fnv\": \"%016llx\"", static_cast<long long>(r.total), r.touched,
+                static_cast<long long>(r.max_rows), static_cast<unsigned long long>(r.fnv));
+  return s;
+}
+
+void upload(void* dst, const void* src, size_t bytes) {
+  cuda_ok(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "upload");
+}
+
+// moe_gemm: experts, tokens, top_k (default 1), K, N, activation none|swiglu, routing
+// balanced|random (default balanced), seed (default 1). The routing is built on the host
+// (moe_routing), x [tokens, K] is permuted once by moe_permute (align 1) into the grouped layout,
+// and only moe_grouped_gemm is timed: a [rows, K] x weights [experts, N, K] (nn.Linear layout) ->
+// out [rows, N], or [rows, N / 2] with the SwiGLU epilogue. Rows = tokens * top_k, no padding.
+//   FLOPs = 2 * rows * N * K (the useful ones: no padding rows; SwiGLU counts its whole N = 2I);
+//   touched weight bytes = the experts with >= 1 row x N x K x 2, the floor of the few-rows regime:
+//   weight_gbs = those bytes over the time (run_bench.py divides by the read ceiling).
+// The weights of one case are far larger than the L2 on the model shapes; when the touched set
+// with a and out is not, rotations_for() copies weights and out.
+int bench_moe_gemm(const Args& a) {
+  const int E = arg_int(a, "experts"), top_k = arg_int(a, "top_k", "1");
+  const int64_t T = arg_int(a, "tokens"), K = arg_int(a, "K"), N = arg_int(a, "N");
+  const std::string act_name = arg(a, "activation", "none");
+  if (act_name != "none" && act_name != "swiglu") {
+    std::fprintf(stderr, "tessera_bench: activation must be none or swiglu, got '%s'\n", act_name.c_str());
+    return 2;
+  }
+  const bool swiglu = act_name == "swiglu";
+  const int64_t n_out = swiglu ? N / 2 : N;
+  const std::vector<int32_t> ids =
+      moe_routing(arg(a, "routing", "balanced"), T, top_k, E, std::stoull(arg(a, "seed", "1")));
+  const ExpertRows routed = expert_rows(ids, E);
+  const int64_t rows = routed.total;
+
+  // The grouped layout: moe_permute once, and its offsets checked against the host's counts.
+  const int64_t capacity = moe_permute_capacity(T, top_k, E, 1);
+  Buffer d_ids(ids.size() * 4), d_offsets(size_t(E + 1) * 4), d_ptok(size_t(capacity) * 4),
+      d_inverse(ids.size() * 4), x(size_t(T) * K * 2), px(size_t(capacity) * K * 2);
+  Buffer ws(std::max<size_t>(moe_permute_workspace_bytes(T, top_k, E), 4));
+  upload(d_ids.get(), ids.data(), ids.size() * 4);
+  fill_random(x.get(), x.bytes(), 1, false);
+  MoePermuteArgs perm;
+  perm.topk_ids = TensorView::contiguous(d_ids.get(), DType::kInt32, {T, top_k});
+  perm.num_experts = E;
+  perm.align = 1;
+  perm.x = TensorView::contiguous(x.get(), DType::kBF16, {T, K});
+  perm.permuted_x = TensorView::contiguous(px.get(), DType::kBF16, {capacity, K});
+  perm.expert_offsets = TensorView::contiguous(d_offsets.get(), DType::kInt32, {E + 1});
+  perm.permuted_token = TensorView::contiguous(d_ptok.get(), DType::kInt32, {capacity});
+  perm.inverse = TensorView::contiguous(d_inverse.get(), DType::kInt32, {T, top_k});
+  perm.workspace = ws.get();
+  perm.workspace_size = ws.bytes();
+  moe_permute(perm, nullptr);
+  std::vector<int32_t> offsets(E + 1);
+  cuda_ok(cudaMemcpy(offsets.data(), d_offsets.get(), offsets.size() * 4, cudaMemcpyDeviceToHost), "download");
+  for (int e = 0; e < E; ++e) {
+    if (offsets[e + 1] - offsets[e] != routed.rows[e]) {
+      std::fprintf(stderr, "tessera_bench: moe_permute gave expert %d %d rows, the routing %lld\n", e,
+                   offsets[e + 1] - offsets[e], static_cast<long long>(routed.rows[e]));
+      return 1;
+    }
+  }
+
+  const double touched_bytes = double(routed.touched) * N * K * 2;
+  const size_t w_bytes = size_t(E) * N * K * 2, out_bytes = size_t(capacity) * n_out * 2;
+  const int rot = rotations_for(touched_bytes + double(px.bytes()) + double(out_bytes));
+  std::vector<std::unique_ptr<Buffer>> w, out;
+  for (int r = 0; r < rot; ++r) {
+    w.push_back(std::make_unique<Buffer>(w_bytes));
+    out.push_back(std::make_unique<Buffer>(out_bytes));
+    fill_random(w.back()->get(), w_bytes, 100 + r, false);
+  }
+  const double ms = median_ms([&](int i) {
+    MoeGroupedGemmArgs g;
+    g.a = TensorView::contiguous(px.get(), DType::kBF16, {capacity, K});
+    g.weights = TensorView::contiguous(w[i % rot]->get(), DType::kBF16, {E, N, K});
+    g.expert_offsets = perm.expert_offsets;
+    g.activation = swiglu ? MoeActivation::kSwiGLU : MoeActivation::kNone;
+    g.out = TensorView::contiguous(out[i % rot]->get(), DType::kBF16, {capacity, n_out});
+    moe_grouped_gemm(g, nullptr);
+  });
+  const double flops = 2.0 * double(rows) * N * K;
+  char extra[320];
+  std::snprintf(extra, sizeof(extra), ", \"activation\": \"%s\", \"touched_weight_bytes\": %.0f, \"weight_gbs\": %.1f, "
+                "\"rotations\": %d", act_name.c_str(), touched_bytes, touched_bytes / (ms * 1e-3) / 1e9, rot);
+  std::printf("{\"suite\": \"moe_gemm\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "
+              "\"time_us\": %.2f%s%s}\n", arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3,
+              routing_json(routed).c_str(), extra);
+  return 0;
+}
+
+// moe_layer: experts, top_k, tokens, hidden, inter, [score softmax|sigmoid (softmax)]
+// [renormalize true|false (true)] [seed (1)]: fused_moe from router logits (moe_router_logits) to
+// the combined output, timed as one call (route, permute, grouped GEMM up + SwiGLU, grouped GEMM
+// down, combine); no shared experts. Weights w1 [experts, 2 * inter, hidden] (gate rows, then up
+// rows) and w2 [experts, hidden, inter] are allocated once per process (one case per process).
+//   FLOPs = the useful GEMM FLOPs 2 T k H 2I + 2 T k I H (routing, SwiGLU and combine not counted);
+//   touched weight bytes = the experts with >= 1 row x 3 H I x 2; weight_gbs as in moe_gemm.
+// The topk_ids fused_moe wrote are checked against the host's top-k of the logits
+// (routing_matches_host) and summarised as in moe_gemm, so the torch composition's rows per expert
+// can be compared.
+int bench_moe_layer(const Args& a) {
+  const int E = arg_int(a, "experts"), top_k = arg_int(a, "top_k");
+  const int64_t T = arg_int(a, "tokens"), H = arg_int(a, "hidden"), I = arg_int(a, "inter");
+  const std::string score = arg(a, "score", "softmax");
+  if (score != "softmax" && score != "sigmoid") {
+    std::fprintf(stderr, "tessera_bench: score must be softmax or sigmoid, got '%s'\n", score.c_str());
+    return 2;
+  }
+  const bool renormalize = arg(a, "renormalize", "true") == "true";
+  const std::vector<float> logits = moe_router_logits(T, E, std::stoull(arg(a, "seed", "1")));
+  Buffer d_logits(logits.size() * 4), x(size_t(T) * H * 2), out(size_t(T) * H * 2), ids(size_t(T) * top_k * 4),
+      weights(size_t(T) * top_k * 4);
+  Buffer w1(size_t(E) * 2 * I * H * 2), w2(size_t(E) * H * I * 2);
+  upload(d_logits.get(), logits.data(), d_logits.bytes());
+  fill_random(x.get(), x.bytes(), 1, false);
+  fill_random(w1.get(), w1.bytes(), 2, false);
+  fill_random(w2.get(), w2.bytes(), 3, false);
+  Buffer ws(std::max<size_t>(fused_moe_workspace_bytes(T, H, I, E, top_k), 256));
+
+  FusedMoeArgs f;
+  f.x = TensorView::contiguous(x.get(), DType::kBF16, {T, H});
+  f.w1 = TensorView::contiguous(w1.get(), DType::kBF16, {E, 2 * I, H});
+  f.w2 = TensorView::contiguous(w2.get(), DType::kBF16, {E, H, I});
+  f.router_logits = TensorView::contiguous(d_logits.get(), DType::kFP32, {T, E});
+  f.top_k = top_k;
+  f.score = score == "sigmoid" ? MoeScore::kSigmoid : MoeScore::kSoftmax;
+  f.renormalize = renormalize;
+  f.topk_ids = TensorView::contiguous(ids.get(), DType::kInt32, {T, top_k});
+  f.topk_weights = TensorView::contiguous(weights.get(), DType::kFP32, {T, top_k});
+  f.out = TensorView::contiguous(out.get(), DType::kBF16, {T, H});
+  f.workspace = ws.get();
+  f.workspace_size = ws.bytes();
+  auto run = [&](int) { fused_moe(f, nullptr); };
+  const double ms = median_ms(run);
+  const double stream_step_ms = stream_ms(run);
+
+  std::vector<int32_t> chosen(size_t(T) * top_k);
+  cuda_ok(cudaMemcpy(chosen.data(), ids.get(), chosen.size() * 4, cudaMemcpyDeviceToHost), "download");
+  for (const int32_t e : chosen) {
+    if (e < 0 || e >= E) {
+      std::fprintf(stderr, "tessera_bench: fused_moe wrote expert id %d (experts %d)\n", e, E);
+      return 1;
+    }
+  }
+  const ExpertRows routed = expert_rows(chosen, E);
+  const ExpertRows expected = expert_rows(host_top_k(logits, T, E, top_k), E);
+  const double touched_bytes = double(routed.touched) * 3.0 * H * I * 2;
+  const double flops = 2.0 * T * top_k * H * (2 * I) + 2.0 * T * top_k * I * H;
+  char extra[400];
+  std::snprintf(extra, sizeof(extra), ", \"stream_us\": %.2f, \"stream_tflops\": %.2f, \"touched_weight_bytes\": %.0f, "
+                "\"weight_gbs\": %.1f, \"routing_matches_host\": %s, \"score\": \"%s\", \"renormalize\": %s, "
+                "\"workspace_bytes\": %zu", stream_step_ms * 1e3, flops / (stream_step_ms * 1e-3) / 1e12,
+                touched_bytes, touched_bytes / (ms * 1e-3) / 1e9, routed.fnv == expected.fnv ? "true" : "false",
+                score.c_str(), renormalize ? "true" : "false", ws.bytes());
+  std::printf("{\"suite\": \"moe_layer\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "
+              "\"time_us\": %.2f%s%s}\n", arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3,
+              routing_json(routed).c_str(), extra);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: tessera_bench ceiling | append | merge | decode | prefill | prefill_portable | "
-                         "prefill_paged | prefill_plan | memory key=value...\n");
+                         "prefill_paged | prefill_plan | memory | moe_gemm | moe_layer key=value...\n");
     return 2;
   }
   const DeviceInfo info = device_info();
@@ -712,6 +960,8 @@ int main(int argc, char** argv) {
     if (suite == "memory") return bench_memory(a);
     if (suite == "prefill_paged") return bench_prefill_paged(a);
     if (suite == "prefill_plan") return bench_prefill_plan(a);
+    if (suite == "moe_gemm") return bench_moe_gemm(a);
+    if (suite == "moe_layer") return bench_moe_layer(a);
   } catch (const Error& e) {
     std::fprintf(stderr, "tessera_bench: %s\n", e.what());
     return 1;

@@ -77,9 +77,14 @@ SUITES = {
     # kv_len is the length (uniform) or the mean (zipf); lengths="list" gives kv_lens instead.
     "decode": dict(params=["batch", "num_qo_heads", "num_kv_heads", "head_dim", "page_size"],
                    peers=["cudnn", "cudnn_stream", "torch_flash", "flashinfer"], ceilings=["read", "copy"]),
-    # moe_gemm's "gemm" ceiling is per case: one dense torch.mm of the same FLOPs (M=tokens, K, N)
+    # The grouped GEMM alone on a routed layout (rows = tokens * top_k; routing balanced or seeded
+    # random, moe_routing); "gemm" is a per-case ceiling: one dense torch.mm of the same FLOPs
+    # [rows, K] x [K, N]. SwiGLU cases also time grouped_mm + silu * up (torch_grouped_mm_swiglu).
     "moe_gemm": dict(params=["experts", "tokens", "K", "N"],
-                     peers=["torch_grouped_mm", "cublas_loop"], ceilings=["read"]),
+                     peers=["torch_grouped_mm", "torch_grouped_mm_swiglu", "cublas_loop"], ceilings=["read"]),
+    # The whole MoE layer from router logits (moe_router_logits) to the combined output.
+    "moe_layer": dict(params=["experts", "top_k", "tokens", "hidden", "inter"],
+                      peers=["torch_moe_layer"], ceilings=["read"]),
     "append": dict(params=["batch", "append_len", "num_kv_heads", "head_dim", "page_size", "layout"],
                    peers=["torch_index"], ceilings=["copy"]),
     "merge": dict(params=["rows", "heads", "head_dim", "n"],
@@ -199,6 +204,75 @@ def merge_dtypes(p):
     return p.get("in_dtype", p.get("dtype")), p.get("out_dtype", p.get("dtype"))
 
 
+# MoE routing, kept identical to bench/bench_main.cpp (moe_routing, moe_router_logits,
+# expert_rows there), so that tessera and the peers run the same rows per expert; both record
+# expert_rows_fnv and merge_into() flags a mismatch.
+
+def moe_rows(p):
+    return p["tokens"] * p.get("top_k", 1)
+
+
+def moe_routing(p):
+    """Expert of each (token, j) copy, token-major, of a moe_gemm case (top_k default 1):
+    routing "balanced" (default): copy i goes to expert i % experts; "random": one splitmix64
+    stream seeded with `seed` (default 1); for each token in order and j < top_k, draw
+    e = next() % experts until e differs from the token's earlier picks."""
+    e_count, tokens, k = p["experts"], p["tokens"], p.get("top_k", 1)
+    if not 1 <= k <= e_count:
+        raise ValueError("top_k must be in 1..experts")
+    kind = p.get("routing", "balanced")
+    if kind == "balanced":
+        if (tokens * k) % e_count:
+            raise ValueError("balanced routing needs tokens * top_k % experts == 0")
+        return [i % e_count for i in range(tokens * k)]
+    if kind != "random":
+        raise ValueError("routing must be balanced or random, got %r" % kind)
+    state, ids = int(p.get("seed", 1)) & M64, []
+    for _ in range(tokens):
+        picked = []
+        while len(picked) < k:
+            state, z = splitmix64_next(state)
+            e = z % e_count
+            if e not in picked:
+                picked.append(e)
+        ids.extend(picked)
+    return ids
+
+
+def moe_router_logits(tokens, experts, seed):
+    """Router logits [tokens * experts] (row-major, Python floats, exact in fp32) of a moe_layer
+    case: one splitmix64 stream seeded with `seed`, one draw per (token, expert); u = (draw >> 48)
+    << 8 | expert, logit = (u - 2^23) / 2^21 in [-4, 4): never equal within a token (experts <=
+    256), so the top-k has no ties."""
+    if experts > 256:
+        raise ValueError("router logits are generated for at most 256 experts")
+    state, out = seed & M64, [0.0] * (tokens * experts)
+    for i in range(tokens * experts):
+        state = (state + 0x9E3779B97F4A7C15) & M64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        z ^= z >> 31
+        out[i] = (((z >> 48) << 8 | (i % experts)) - 8388608) * 2.0 ** -21
+    return out
+
+
+def expert_rows(ids, experts):
+    """Rows per expert, and their FNV-1a 64 digest (h ^= count; h *= 1099511628211, over the experts
+    in order) as 16 hex digits: what both sides record as expert_rows_fnv."""
+    rows = [0] * experts
+    for e in ids:
+        rows[e] += 1
+    h = 14695981039346656037
+    for n in rows:
+        h = ((h ^ n) * 1099511628211) & M64
+    return rows, "%016x" % h
+
+
+def routing_notes(rows, fnv):
+    return {"rows": sum(rows), "touched_experts": sum(1 for n in rows if n), "max_expert_rows": max(rows),
+            "expert_rows_fnv": fnv}
+
+
 def case_work(suite, p):
     """FLOPs (TFLOP/s suites) or bytes (TB/s suites) that one call does."""
     if suite in ("prefill", "prefill_portable", "prefill_paged"):
@@ -211,8 +285,10 @@ def case_work(suite, p):
     if suite == "decode":  # K and V rows of every request read once (real lengths, no padding)
         return (sum(decode_lengths(p)) * p["num_kv_heads"] * p["head_dim"] * 2
                 * DTYPE_SIZE[p.get("dtype", "bf16")])
-    if suite == "moe_gemm":
-        return 2 * p["tokens"] * p["K"] * p["N"]
+    if suite == "moe_gemm":  # useful FLOPs: real rows only; SwiGLU counts its whole N = 2 * inter
+        return 2 * moe_rows(p) * p["K"] * p["N"]
+    if suite == "moe_layer":  # the two GEMMs: 2 T k H 2I + 2 T k I H
+        return 6 * moe_rows(p) * p["hidden"] * p["inter"]
     if suite == "append":
         tokens = p["batch"] * p["append_len"]
         return 2 * 2 * tokens * p["num_kv_heads"] * p["head_dim"] * 2
@@ -239,7 +315,9 @@ def set_bytes(suite, p):
         return case_work(suite, p) + 2 * p["batch"] * p["num_qo_heads"] * p["head_dim"] * DTYPE_SIZE[
             p.get("dtype", "bf16")]
     if suite == "moe_gemm":
-        return 2 * (p["tokens"] * p["K"] + p["experts"] * p["K"] * p["N"] + p["tokens"] * p["N"])
+        return 2 * (moe_rows(p) * p["K"] + p["experts"] * p["K"] * p["N"] + moe_rows(p) * p["N"])
+    if suite == "moe_layer":
+        return 2 * (3 * p["experts"] * p["hidden"] * p["inter"] + 2 * p["tokens"] * p["hidden"])
     return case_work(suite, p)  # append, merge: everything read and written
 
 
@@ -278,6 +356,8 @@ def load_cases(case_dir, only_suites):
                     missing.append("kv_len")
                 if c.get("dtype", "bf16") not in ("bf16", "fp16"):
                     missing.append("dtype bf16|fp16")
+            if suite in ("moe_gemm", "moe_layer"):
+                missing += moe_case_problems(suite, c)
             if suite == "prefill_plan":
                 try:
                     plan_lengths(c)
@@ -294,6 +374,31 @@ def load_cases(case_dir, only_suites):
     return out
 
 
+def moe_case_problems(suite, c):
+    """What a moe_gemm / moe_layer case gets wrong, as load_cases lists it."""
+    problems = []
+    if not all(isinstance(c.get(k), int) for k in SUITES[suite]["params"]):
+        return problems  # the missing keys are listed already
+    if suite == "moe_gemm":
+        act = c.get("activation", "none")
+        if act not in ("none", "swiglu"):
+            problems.append("activation none|swiglu")
+        elif act == "swiglu" and c["N"] % 16:
+            problems.append("N = 2 * inter, inter a multiple of 8 (swiglu)")
+        try:
+            moe_routing(dict(c, tokens=0))  # checks top_k and the routing kind without drawing
+            if c.get("routing", "balanced") == "balanced" and (c["tokens"] * c.get("top_k", 1)) % c["experts"]:
+                problems.append("tokens * top_k divisible by experts (balanced routing)")
+        except ValueError as e:
+            problems.append("routing (%s)" % e)
+    else:
+        if c["experts"] > 256 or not 1 <= c["top_k"] <= c["experts"]:
+            problems.append("experts <= 256 and top_k in 1..experts")
+        if c.get("score", "softmax") not in ("softmax", "sigmoid"):
+            problems.append("score softmax|sigmoid")
+    return problems
+
+
 def params_of(case):
     return {k: v for k, v in case.items() if k != "name"}
 
@@ -304,7 +409,7 @@ def print_plan(suites):
         unit = "TFLOP" if metric == "TFLOP/s" else "GB"
         print("suite %s (%s): peers %s; ceilings %s" % (
             suite, metric, ", ".join(spec["peers"]), ", ".join(
-                spec["ceilings"] + (["gemm (dense mm, same shape)"] if suite == "moe_gemm" else []))))
+                spec["ceilings"] + (["gemm (dense mm, same FLOPs)"] if suite == "moe_gemm" else []))))
         for c in cases:
             p = params_of(c)
             work = case_work(suite, p)
@@ -312,6 +417,12 @@ def print_plan(suites):
             print("  %-30s work %9.3f %-5s  set %8.1f MB x %3d sets  %s" % (
                 c["name"], work / 1e12 if unit == "TFLOP" else work / 1e9, unit, sb / 1e6, num_sets(sb),
                 json.dumps(p, sort_keys=True)))
+            if suite == "moe_gemm":
+                rows, fnv = expert_rows(moe_routing(p), p["experts"])
+                r = routing_notes(rows, fnv)
+                print("  %-30s routing: %d rows, %d experts touched (%.1f MB of weights), at most %d rows, fnv %s" % (
+                    "", r["rows"], r["touched_experts"], r["touched_experts"] * p["N"] * p["K"] * 2 / 1e6,
+                    r["max_expert_rows"], fnv))
     print("ceilings once per run: copy (torch copy_ of %d GiB, read+write), read (torch.sum over %d GiB, "
           "bf16 and fp32; torch's reduction), gemm (torch.mm bf16 %d^3)" % (
               CEILING_BUFFER_BYTES >> 30, CEILING_BUFFER_BYTES >> 30, GEMM_CEILING_SIZE))
@@ -1069,16 +1180,81 @@ def run_prefill_plan(p, args):
 
 
 # ----------------------------------------------------------------------------------------------
-# MoE grouped GEMM: x [tokens, K] bf16, w [experts, K, N] bf16, tokens split evenly
+# MoE: moe_gemm (the grouped GEMM on a routed layout) and moe_layer (the layer from router logits)
 # ----------------------------------------------------------------------------------------------
+# torch._grouped_mm(mat_a, mat_b, offs=offs), as PyTorch's source has it (aten/src/ATen/native/
+# GroupedMMUtils.h, cuda/GroupedBlas.cpp, cuda/GroupMM.cu, cuda/GroupMMCommon.cuh):
+#   mat_a [rows, K] row-major; mat_b [E, K, N], either row-major or a transposed view of a
+#   contiguous [E, N, K] (nn.Linear's layout, tessera's weights): CUTLASS is instantiated for both;
+#   offs int32 [E]: the cumulative END row of each group (group g is rows offs[g-1]:offs[g]); for
+#   2d x 3d empty groups are allowed, rows need no alignment (the 16-byte checks are for the
+#   K-grouped 2d x 2d and the 3d x 2d cases) and rows past offs[-1] are ignored; at most 1023
+#   groups; out ([rows, N], mat_a's dtype) is allocated by the call; no host synchronisation.
+#   bf16 a, b and out on sm_90 / sm_100 take the CUTLASS ptr-array kernels (sm_90: 64x128x128
+#   ping-pong when rows / E <= 128 or N <= 128, else 128x256x64 cooperative); anything else a
+#   loop of mm.
 
-def peer_grouped_mm(x, w_kn, w_nk, offs, p, budget_s):
-    """torch._grouped_mm(x, w, offs=...) with w as [E, K, N] row-major and as [E, N, K] transposed
-    (column-major); reports the faster layout that runs."""
-    results, errors = {}, {}
-    for label, w in (("w[E,K,N]", w_kn), ("w[E,N,K].mT", w_nk.transpose(-2, -1))):
+MOE_WEIGHTS = {"key": None, "tensors": None}
+
+
+def moe_weights(key, make):
+    """Weights of the current MoE shape, made once and reused by the following cases of the same
+    shape (the T sweep of one model; DeepSeek-V3's layer is 22.5 GB); another shape frees them."""
+    if MOE_WEIGHTS["key"] != key:
+        release_moe_weights()
+        MOE_WEIGHTS["tensors"] = make()
+        MOE_WEIGHTS["key"] = key
+    return MOE_WEIGHTS["tensors"]
+
+
+def release_moe_weights():
+    MOE_WEIGHTS["key"] = MOE_WEIGHTS["tensors"] = None
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def scaled_randn(*shape):
+    """randn / sqrt(fan-in): weights under which activations stay O(1) through both GEMMs."""
+    return randn(*shape).mul_(shape[-1] ** -0.5)
+
+
+def grouped_mm_layouts(w_kn, w_nk):
+    """mat_b as [E, K, N] row-major, and as the transposed view of [E, N, K] (tessera's layout)."""
+    return (("w[E,K,N]", w_kn), ("w[E,N,K].mT", w_nk.transpose(-2, -1)))
+
+
+def check_grouped_mm(out, x, w, ends):
+    """Relative error of the largest group's rows against an fp32 mm: checks the offs convention."""
+    starts = [0] + ends[:-1]
+    g = max(range(len(ends)), key=lambda i: ends[i] - starts[i])
+    s, e = starts[g], ends[g]
+    ref = x[s:e].float() @ w[g].float()
+    return ((out[s:e].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def peer_grouped_mm(x, layouts, offs, ends, p, budget_s, swiglu=False):
+    """torch._grouped_mm(x, w, offs=offs) over each weight layout, alone or (swiglu) followed by
+    F.silu(gate) * up as torch writes SwiGLU (gate = the first N / 2 output columns, up the rest);
+    reports the faster layout. The plain call is first checked against an fp32 mm."""
+    inter = p["N"] // 2
+
+    def make_call(w):
+        if not swiglu:
+            return lambda x_: torch._grouped_mm(x_, w, offs=offs)
+
+        def call(x_):
+            h = torch._grouped_mm(x_, w, offs=offs)
+            return F.silu(h[:, :inter]) * h[:, inter:]
+        return call
+
+    results, errors, checks = {}, {}, {}
+    for label, w in layouts:
         try:
-            t = time_cuda(lambda x_: torch._grouped_mm(x_, w, offs=offs), [x], budget_s)
+            if not swiglu:
+                checks[label] = check_grouped_mm(torch._grouped_mm(x, w, offs=offs), x, w, ends)
+                if checks[label] > 2e-2:
+                    raise RuntimeError("relative error %.3g against an fp32 mm" % checks[label])
+            t = time_cuda(make_call(w), [x], budget_s)
             results[label] = case_work("moe_gemm", p) / t / 1e12
         except Exception as e:
             errors[label] = error_text(e)[:200]
@@ -1087,21 +1263,29 @@ def peer_grouped_mm(x, w_kn, w_nk, offs, p, budget_s):
         raise RuntimeError("; ".join("%s: %s" % kv for kv in errors.items()))
     best = max(results, key=results.get)
     note = "best layout %s; " % best + ", ".join("%s %.1f" % kv for kv in results.items())
+    if checks:
+        note += "; rel. error vs fp32 " + ", ".join("%s %.1e" % kv for kv in checks.items())
     if errors:
         note += "; failed: " + "; ".join("%s: %s" % kv for kv in errors.items())
     return results[best], note
 
 
-def peer_cublas_loop(x, w_kn, out, p, budget_s):
-    m = p["tokens"] // p["experts"]
-    parts = [(x[e * m:(e + 1) * m], w_kn[e], out[e * m:(e + 1) * m]) for e in range(p["experts"])]
+def peer_cublas_loop(x, w_kn, out, ends, p, budget_s):
+    """A Python loop of torch.mm (cuBLAS) over the experts that have rows, timed as one step."""
+    parts, start = [], 0
+    for g, end in enumerate(ends):
+        if end > start:
+            parts.append((x[start:end], w_kn[g], out[start:end]))
+        start = end
 
     def call(_):
         for xe, we, oe in parts:
             torch.mm(xe, we, out=oe)
 
     t = time_cuda(call, [None], budget_s)
-    return case_work("moe_gemm", p) / t / 1e12, "python loop of torch.mm, timed as a whole"
+    return case_work("moe_gemm", p) / t / 1e12, (
+        "python loop of torch.mm over the %d experts with rows (w[E,K,N]), timed as a whole; "
+        "the GEMM only" % len(parts))
 
 
 def dense_gemm_tflops(m, k, n, budget_s):
@@ -1112,33 +1296,132 @@ def dense_gemm_tflops(m, k, n, budget_s):
 
 
 def run_moe_gemm(p, args):
-    e, tokens, k, n = p["experts"], p["tokens"], p["K"], p["N"]
-    if tokens % e:
-        raise ValueError("tokens %d not divisible by experts %d" % (tokens, e))
-    x = randn(tokens, k)
-    w_kn = randn(e, k, n)
-    out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
-    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * (tokens // e)
-    peers, notes = {}, {}
-
-    def grouped():
-        w_nk = randn(e, n, k)
-        try:
-            return peer_grouped_mm(x, w_kn, w_nk, offs, p, args.time_per_peer)
-        finally:
-            del w_nk
-
-    measure("torch_grouped_mm", grouped, peers, notes)
-    measure("cublas_loop", lambda: peer_cublas_loop(x, w_kn, out, p, args.time_per_peer), peers, notes)
-    del x, w_kn, out
+    e, k, n = p["experts"], p["K"], p["N"]
+    rows_of, fnv = expert_rows(moe_routing(p), e)
+    ends = prefix_sums(rows_of)[1:]
+    rows = ends[-1]
+    peers, notes = {}, routing_notes(rows_of, fnv)
+    notes["touched_weight_bytes"] = notes["touched_experts"] * n * k * 2
+    w_kn, w_nk = moe_weights(("moe_gemm", e, n, k), lambda: (randn(e, k, n), randn(e, n, k)))
+    layouts = grouped_mm_layouts(w_kn, w_nk)
+    x = randn(rows, k)  # the permuted rows: expert g's are x[ends[g-1]:ends[g]]
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor(ends, device="cuda", dtype=torch.int32)
+    budget = args.time_per_peer
+    measure("torch_grouped_mm", lambda: peer_grouped_mm(x, layouts, offs, ends, p, budget), peers, notes)
+    if p.get("activation", "none") == "swiglu":
+        measure("torch_grouped_mm_swiglu", lambda: peer_grouped_mm(x, layouts, offs, ends, p, budget, swiglu=True),
+                peers, notes)
+    measure("cublas_loop", lambda: peer_cublas_loop(x, w_kn, out, ends, p, budget), peers, notes)
+    del x, out, offs, layouts
     torch.cuda.empty_cache()
     ceiling = {}
     try:
-        ceiling["gemm"] = dense_gemm_tflops(tokens, k, n, args.time_per_peer)
-        notes["gemm"] = "dense torch.mm bf16 [%d,%d]x[%d,%d], same FLOPs" % (tokens, k, k, n)
+        ceiling["gemm"] = dense_gemm_tflops(rows, k, n, budget)
+        notes["gemm"] = "dense torch.mm bf16 [%d,%d]x[%d,%d], same FLOPs" % (rows, k, k, n)
     except Exception as ex:
         notes["gemm_error"] = error_text(ex)
     return peers, notes, ceiling
+
+
+def moe_layer_call(x, logits, w1t, w2t, p, combine):
+    """The MoE layer composed from torch ops, as a torch user writes it without a fused kernel:
+    scores (softmax, or sigmoid) -> topk -> renormalise -> stable sort of the copies by expert ->
+    offs by searchsorted (no host sync) -> gather x -> grouped_mm up -> silu(gate) * up ->
+    grouped_mm down -> combine: "index_add" (scale each row by its weight, index_add_ into the
+    tokens) or "gather" (unpermute with index_copy_, weighted sum over the k copies of a token)."""
+    tokens, k, inter = p["tokens"], p["top_k"], p["inter"]
+    experts = torch.arange(p["experts"], device="cuda")
+    sigmoid = p.get("score", "softmax") == "sigmoid"
+    renormalize = p.get("renormalize", True)
+
+    def call(_):
+        scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(scores, k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        sorted_ids, order = torch.sort(ids.view(-1), stable=True)
+        offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+        token = order // k
+        h = torch._grouped_mm(x[token], w1t, offs=offs)
+        y = torch._grouped_mm(F.silu(h[:, :inter]) * h[:, inter:], w2t, offs=offs)
+        if combine == "index_add":
+            y = y * weights.view(-1)[order].unsqueeze(1).to(y.dtype)
+            return torch.zeros_like(x).index_add_(0, token, y)
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
+        return (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+
+    return call
+
+
+def moe_layer_reference(x, logits, w1, w2, p, tokens):
+    """fp32 outputs of a few tokens: sum_j weight_j * w2[e_j] (silu(gate) * up), [gate; up] = w1[e_j] x."""
+    k, inter = p["top_k"], p["inter"]
+    rows = []
+    for t in tokens:
+        s = logits[t].float()
+        scores = torch.sigmoid(s) if p.get("score", "softmax") == "sigmoid" else torch.softmax(s, dim=-1)
+        weights, ids = torch.topk(scores, k)
+        if p.get("renormalize", True):
+            weights = weights / weights.sum()
+        xt = x[t].float()
+        acc = torch.zeros(x.shape[1], device="cuda", dtype=torch.float32)
+        for wj, e in zip(weights.tolist(), ids.tolist()):
+            h = w1[e].float() @ xt
+            acc += wj * (w2[e].float() @ (F.silu(h[:inter]) * h[inter:]))
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def peer_torch_moe_layer(x, logits, w1, w2, p, budget_s):
+    """The torch composition with both combines, each checked on three tokens against an fp32
+    reference; reports the faster."""
+    w1t, w2t = w1.transpose(-2, -1), w2.transpose(-2, -1)  # [E, H, 2I], [E, I, H]: grouped_mm's mat_b
+    probe = sorted({0, p["tokens"] // 2, p["tokens"] - 1})
+    ref = moe_layer_reference(x, logits, w1, w2, p, probe)
+    results, errors, checks = {}, {}, {}
+    for combine in ("index_add", "gather"):
+        try:
+            call = moe_layer_call(x, logits, w1t, w2t, p, combine)
+            got = call(None)[probe].float()
+            checks[combine] = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if checks[combine] > 5e-2:
+                raise RuntimeError("relative error %.3g against the fp32 reference" % checks[combine])
+            t = time_cuda(call, [None], budget_s)
+            results[combine] = case_work("moe_layer", p) / t / 1e12
+        except Exception as e:
+            errors[combine] = error_text(e)[:200]
+            torch.cuda.synchronize()
+    if not results:
+        raise RuntimeError("; ".join("%s: %s" % kv for kv in errors.items()))
+    best = max(results, key=results.get)
+    note = ("softmax/sigmoid, topk, renormalise, sort, searchsorted offs, gather, grouped_mm up, silu*up, "
+            "grouped_mm down, combine; best combine %s; " % best + ", ".join("%s %.1f" % kv for kv in results.items())
+            + "; rel. error vs fp32 on 3 tokens " + ", ".join("%s %.1e" % kv for kv in checks.items()))
+    if errors:
+        note += "; failed: " + "; ".join("%s: %s" % kv for kv in errors.items())
+    return results[best], note
+
+
+def run_moe_layer(p, args):
+    e, k, tokens, hidden, inter = p["experts"], p["top_k"], p["tokens"], p["hidden"], p["inter"]
+    flat = moe_router_logits(tokens, e, int(p.get("seed", 1)))
+    logits = torch.tensor(flat, dtype=torch.float32).view(tokens, e).cuda()
+    host_ids = []
+    for t in range(tokens):
+        row = flat[t * e:(t + 1) * e]
+        host_ids += sorted(range(e), key=row.__getitem__, reverse=True)[:k]
+    scores = torch.sigmoid(logits) if p.get("score", "softmax") == "sigmoid" else torch.softmax(logits, dim=-1)
+    rows_of, fnv = expert_rows(torch.topk(scores, k, dim=-1).indices.view(-1).tolist(), e)
+    notes = routing_notes(rows_of, fnv)
+    notes["routing_matches_host"] = fnv == expert_rows(host_ids, e)[1]
+    notes["touched_weight_bytes"] = notes["touched_experts"] * 3 * hidden * inter * 2
+    w1, w2 = moe_weights(("moe_layer", e, hidden, inter),
+                         lambda: (scaled_randn(e, 2 * inter, hidden), scaled_randn(e, hidden, inter)))
+    x = randn(tokens, hidden)
+    peers = {}
+    measure("torch_moe_layer", lambda: peer_torch_moe_layer(x, logits, w1, w2, p, args.time_per_peer), peers, notes)
+    return peers, notes, {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1377,8 +1660,8 @@ def measure_tessera_python(suite, p, budget_s, notes, peers):
 
 
 RUNNERS = {"prefill": run_prefill, "prefill_portable": run_prefill, "prefill_paged": run_prefill,
-           "prefill_plan": run_prefill_plan, "decode": run_decode, "moe_gemm": run_moe_gemm, "append": run_append,
-           "merge": run_merge}
+           "prefill_plan": run_prefill_plan, "decode": run_decode, "moe_gemm": run_moe_gemm, "moe_layer": run_moe_layer,
+           "append": run_append, "merge": run_merge}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1490,6 +1773,7 @@ def run_all(suites, args):
                             "peers": peers, "ceiling": ceiling, "params": p, "notes": notes})
             print("%-16s %-30s %s  (%.1f s)" % (suite, case["name"], ", ".join(
                 "%s %s" % (k, fmt(v)) for k, v in peers.items()), time.perf_counter() - t_case), flush=True)
+        release_moe_weights()  # held across one suite's cases of a shape, not beyond
     return records
 
 
@@ -1507,11 +1791,13 @@ def merge_into(existing, records):
             if "stream_tbs" in rec["notes"]:
                 old["peers"]["tessera_python_stream"] = rec["notes"].pop("stream_tbs")
             rec["notes"]["tessera_python"] = rec["notes"].pop("tessera", "")
-        # decode: tessera and the peers must have run the same per-request lengths
-        ours, theirs = old.get("notes", {}).get("kv_tokens"), rec["notes"].get("kv_tokens")
-        if ours is not None and theirs is not None and ours != theirs:
-            old["notes"]["kv_tokens_error"] = ("tessera read %s KV tokens, the peers %s: the length "
-                                               "generators disagree" % (ours, theirs))
+        # decode: tessera and the peers must have run the same per-request lengths; MoE: the same
+        # rows per expert
+        for key, what in (("kv_tokens", "KV tokens: the length generators disagree"),
+                          ("expert_rows_fnv", "rows per expert (FNV-1a of the counts): the routings disagree")):
+            ours, theirs = old.get("notes", {}).get(key), rec["notes"].get(key)
+            if ours is not None and theirs is not None and ours != theirs:
+                old["notes"][key + "_error"] = "tessera %s, the peers %s %s" % (ours, theirs, what)
         ceiling = old.setdefault("ceiling", {})
         renamed = {}  # torch ceiling name -> name used in the record (tessera's own value keeps its key)
         for k, v in rec["ceiling"].items():

@@ -5,7 +5,8 @@
 // computed there), so the parts can be captured in a CUDA graph; results are deterministic (the
 // same inputs give bitwise the same outputs).
 //
-// Not yet in tessera: the grouped GEMM, its fused SwiGLU / combine epilogues and fused_moe.
+// The grouped GEMM (moe_grouped_gemm), the combine (moe_combine) and the whole layer (fused_moe)
+// follow; on Hopper (sm_90a) the GEMM is a TMA + wgmma kernel, elsewhere a portable mma.sync one.
 #pragma once
 
 #include <cstddef>
@@ -77,5 +78,69 @@ struct MoePermuteArgs {
 int64_t moe_permute_capacity(int64_t tokens, int top_k, int num_experts, int align);
 std::size_t moe_permute_workspace_bytes(int64_t tokens, int top_k, int num_experts);
 void moe_permute(const MoePermuteArgs& args, cudaStream_t stream);
+
+// Grouped GEMM over the experts' row segments: for every expert e and row r in
+// [expert_offsets[e], expert_offsets[e + 1]):
+//   kNone    out[r, n] = sum_k a[r, k] weights[e, n, k]                       (N = weights.size(1))
+//   kSwiGLU  out[r, j] = silu(g) * u, g = (a w^T)[r, j], u = (a w^T)[r, I + j] (I = N / 2: the
+//            first half of each expert's rows is the gate projection, the second the up one)
+// bf16 or fp16 in and out (one dtype), fp32 accumulation. The segment bounds are read on the
+// device (moe_permute's expert_offsets, any alignment), so the call is CUDA-graph capturable;
+// experts with no rows cost nothing. Rows of `a` / `out` outside every segment are not read into
+// any result and not written. a [rows, K] and out [rows, N or I] have contiguous columns and
+// row strides that are multiples of 8 elements; weights [E, N, K] has a contiguous K dim; K, N
+// (and I) are multiples of 8; rows < 2^31. expert_offsets must be non-decreasing within
+// [0, rows]: it is read on the device, so it cannot be checked there; moe_permute's is.
+enum class MoeActivation : int { kNone = 0, kSwiGLU = 1 };
+
+struct MoeGroupedGemmArgs {
+  TensorView a;               // [rows, K]
+  TensorView weights;         // [num_experts, N, K]
+  TensorView expert_offsets;  // [num_experts + 1] int32, device
+  MoeActivation activation = MoeActivation::kNone;
+  TensorView out;             // [rows, N] (kNone) or [rows, N / 2] (kSwiGLU)
+};
+void moe_grouped_gemm(const MoeGroupedGemmArgs& args, cudaStream_t stream);
+
+// Combine: out[t, :] = sum_k topk_weights[t, k] * expert_out[inverse[t, k], :] (+ shared_out[t, :]),
+// summed in fp32 in k order (deterministic), copies with inverse -1 (dropped) skipped.
+struct MoeCombineArgs {
+  TensorView expert_out;    // [rows, hidden] bf16 / fp16, hidden contiguous
+  TensorView inverse;       // [tokens, top_k] int32 (moe_permute's), row-major contiguous
+  TensorView topk_weights;  // [tokens, top_k] fp32, row-major contiguous
+  TensorView shared_out;    // optional [tokens, hidden], expert_out's dtype: added (shared experts)
+  TensorView out;           // [tokens, hidden], expert_out's dtype
+};
+void moe_combine(const MoeCombineArgs& args, cudaStream_t stream);
+
+// The whole MoE layer: (route) -> permute -> grouped GEMM up + SwiGLU -> grouped GEMM down ->
+// combine with the routing weights, plus optional shared experts (a dense SwiGLU MLP over every
+// token, added by the combine). Routing comes either from router_logits (with the MoeRouteArgs
+// options below; topk_ids / topk_weights may then be given to receive it) or, with no logits,
+// from the caller's topk_ids / topk_weights. Intermediates live in `workspace`
+// (fused_moe_workspace_bytes); nothing is allocated. Deterministic; graph-capturable.
+struct FusedMoeArgs {
+  TensorView x;              // [tokens, hidden] bf16 / fp16, hidden contiguous
+  TensorView w1;             // [num_experts, 2 * inter, hidden]: gate rows, then up rows
+  TensorView w2;             // [num_experts, hidden, inter]
+  TensorView router_logits;  // optional [tokens, num_experts]
+  int top_k = 0;
+  MoeScore score = MoeScore::kSoftmax;
+  bool renormalize = false;
+  int num_groups = 1;
+  int topk_groups = 1;
+  float routed_scaling = 1.f;
+  TensorView selection_bias;  // optional [num_experts] fp32
+  TensorView topk_ids;        // [tokens, top_k] int32: input without logits, optional output with
+  TensorView topk_weights;    // [tokens, top_k] fp32: likewise
+  TensorView shared_w1;       // optional [2 * shared_inter, hidden]
+  TensorView shared_w2;       // optional [hidden, shared_inter] (with shared_w1)
+  TensorView out;             // [tokens, hidden], x's dtype
+  void* workspace = nullptr;  // fused_moe_workspace_bytes(...) bytes, 256-byte aligned
+  std::size_t workspace_size = 0;
+};
+std::size_t fused_moe_workspace_bytes(int64_t tokens, int64_t hidden, int64_t inter, int num_experts, int top_k,
+                                      int64_t shared_inter = 0);
+void fused_moe(const FusedMoeArgs& args, cudaStream_t stream);
 
 }  // namespace tessera

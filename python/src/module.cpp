@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -140,6 +142,15 @@ void bind_kv_and_merge(nb::module_& m) {
       "tessera::merge_states (see tessera.merge_states for the Python API).");
 }
 
+// A workspace the library takes as an address and a size: a 1-D contiguous device tensor (its
+// layout is checked here, where the tensor is still seen).
+std::pair<void*, std::size_t> device_workspace(ArgConverter& conv, nb::handle workspace) {
+  const TensorView ws = conv.tensor(workspace, "workspace");
+  if (ws.device != Device::kCUDA) conv.fail("workspace", "must be in device memory");
+  if (ws.rank != 1 || !ws.is_contiguous()) conv.fail("workspace", "must be 1-D and contiguous, got " + ws.describe());
+  return {ws.data, std::size_t(ws.numel()) * dtype_size(ws.dtype)};
+}
+
 void bind_moe(nb::module_& m) {
   m.def(
       "moe_route",
@@ -179,12 +190,7 @@ void bind_moe(nb::module_& m) {
         a.expert_offsets = conv.tensor(expert_offsets, "expert_offsets");
         a.permuted_token = conv.tensor(permuted_token, "permuted_token");
         a.inverse = conv.tensor(inverse, "inverse");
-        const TensorView ws = conv.tensor(workspace, "workspace");
-        // The library takes the workspace as an address and a size: its layout is checked here.
-        if (ws.device != Device::kCUDA) conv.fail("workspace", "must be in device memory");
-        if (ws.rank != 1 || !ws.is_contiguous()) conv.fail("workspace", "must be 1-D and contiguous, got " + ws.describe());
-        a.workspace = ws.data;
-        a.workspace_size = std::size_t(ws.numel()) * dtype_size(ws.dtype);
+        std::tie(a.workspace, a.workspace_size) = device_workspace(conv, workspace);
         DeviceGuard guard(conv.cuda_device());
         moe_permute(a, as_stream(stream));
       },
@@ -195,6 +201,75 @@ void bind_moe(nb::module_& m) {
         "Rows moe_permute's permuted_token / permuted_x must hold: tokens x top_k + num_experts x (align - 1).");
   m.def("moe_permute_workspace_bytes", &moe_permute_workspace_bytes, "tokens"_a, "top_k"_a, "num_experts"_a,
         "Bytes of device workspace moe_permute needs.");
+
+  m.def(
+      "moe_grouped_gemm",
+      [](nb::handle a, nb::handle weights, nb::handle expert_offsets, int activation, nb::handle out,
+         uintptr_t stream) {
+        ArgConverter conv("moe_grouped_gemm");
+        MoeGroupedGemmArgs args;
+        args.a = conv.tensor(a, "a");
+        args.weights = conv.tensor(weights, "weights");
+        args.expert_offsets = conv.tensor(expert_offsets, "expert_offsets");
+        args.activation = static_cast<MoeActivation>(activation);
+        args.out = conv.tensor(out, "out");
+        DeviceGuard guard(conv.cuda_device());
+        moe_grouped_gemm(args, as_stream(stream));
+      },
+      "a"_a, "weights"_a, "expert_offsets"_a, "activation"_a, "out"_a, "stream"_a,
+      "tessera::moe_grouped_gemm (see tessera.moe_grouped_gemm for the Python API).");
+
+  m.def(
+      "moe_combine",
+      [](nb::handle expert_out, nb::handle inverse, nb::handle topk_weights, nb::handle shared_out, nb::handle out,
+         uintptr_t stream) {
+        ArgConverter conv("moe_combine");
+        MoeCombineArgs args;
+        args.expert_out = conv.tensor(expert_out, "expert_out");
+        args.inverse = conv.tensor(inverse, "inverse");
+        args.topk_weights = conv.tensor(topk_weights, "topk_weights");
+        args.shared_out = conv.optional(shared_out, "shared_out");
+        args.out = conv.tensor(out, "out");
+        DeviceGuard guard(conv.cuda_device());
+        moe_combine(args, as_stream(stream));
+      },
+      "expert_out"_a, "inverse"_a, "topk_weights"_a, "shared_out"_a.none(), "out"_a, "stream"_a,
+      "tessera::moe_combine (see tessera.moe_combine for the Python API).");
+
+  m.def(
+      "fused_moe",
+      [](nb::handle x, nb::handle w1, nb::handle w2, nb::handle router_logits, int top_k, int score, bool renormalize,
+         int num_groups, int topk_groups, float routed_scaling, nb::handle selection_bias, nb::handle topk_ids,
+         nb::handle topk_weights, nb::handle shared_w1, nb::handle shared_w2, nb::handle out, nb::handle workspace,
+         uintptr_t stream) {
+        ArgConverter conv("fused_moe");
+        FusedMoeArgs a;
+        a.x = conv.tensor(x, "x");
+        a.w1 = conv.tensor(w1, "w1");
+        a.w2 = conv.tensor(w2, "w2");
+        a.router_logits = conv.optional(router_logits, "router_logits");
+        a.top_k = top_k;
+        a.score = static_cast<MoeScore>(score);
+        a.renormalize = renormalize;
+        a.num_groups = num_groups;
+        a.topk_groups = topk_groups;
+        a.routed_scaling = routed_scaling;
+        a.selection_bias = conv.optional(selection_bias, "selection_bias");
+        a.topk_ids = conv.optional(topk_ids, "topk_ids");
+        a.topk_weights = conv.optional(topk_weights, "topk_weights");
+        a.shared_w1 = conv.optional(shared_w1, "shared_w1");
+        a.shared_w2 = conv.optional(shared_w2, "shared_w2");
+        a.out = conv.tensor(out, "out");
+        std::tie(a.workspace, a.workspace_size) = device_workspace(conv, workspace);
+        DeviceGuard guard(conv.cuda_device());
+        fused_moe(a, as_stream(stream));
+      },
+      "x"_a, "w1"_a, "w2"_a, "router_logits"_a.none(), "top_k"_a, "score"_a, "renormalize"_a, "num_groups"_a,
+      "topk_groups"_a, "routed_scaling"_a, "selection_bias"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(),
+      "shared_w1"_a.none(), "shared_w2"_a.none(), "out"_a, "workspace"_a, "stream"_a,
+      "tessera::fused_moe (see tessera.fused_moe for the Python API).");
+  m.def("fused_moe_workspace_bytes", &fused_moe_workspace_bytes, "tokens"_a, "hidden"_a, "inter"_a, "num_experts"_a,
+        "top_k"_a, "shared_inter"_a = 0, "Bytes of device workspace fused_moe needs (256-byte aligned).");
 }
 
 void bind_device(nb::module_& m) {

@@ -18,7 +18,8 @@ from .attention import BatchPrefillPaged, batch_prefill, batch_prefill_paged
 from .decode import BatchDecoder
 from .kv_cache import append_paged_kv
 from .merge import merge_state, merge_state_in_place, merge_states
-from .moe import MoePermutation, moe_permute, moe_permute_capacity, moe_route
+from .moe import (MoePermutation, fused_moe, fused_moe_workspace_bytes, moe_combine, moe_grouped_gemm, moe_permute,
+                  moe_permute_capacity, moe_route)
 
 __version__: str = _tessera.__version__
 
@@ -43,6 +44,7 @@ __all__ = [
     "paged_prefill_workspace_bytes", "DType", "DecodeConfig", "DecodePlanInfo", "DeviceBuffer",
     "DeviceInfo", "Error", "KVLayout", "KernelPath", "__version__", "append_paged_kv",
     "batch_prefill", "batch_prefill_paged", "device_count", "device_info", "info", "merge_state",
-    "merge_state_in_place", "merge_states", "MoePermutation", "moe_permute", "moe_permute_capacity",
+    "merge_state_in_place", "merge_states", "MoePermutation", "fused_moe", "fused_moe_workspace_bytes", "moe_combine",
+    "moe_grouped_gemm", "moe_permute", "moe_permute_capacity",
     "moe_route", "torch_ops_registered",
 ]

@@ -18,6 +18,14 @@ from . import _tessera as _ext
 _registered = False
 _is_compiling = None  # torch.compiler.is_compiling, looked up once
 
+# The extension's host-side sizing functions (Python ints in, an int out). Once the ops are
+# registered they are marked torch.compiler.assume_constant_result, so that a wrapper sizing its
+# workspace under torch.compile is evaluated while tracing instead of breaking the graph on a
+# call Dynamo cannot trace.
+moe_permute_capacity = _ext.moe_permute_capacity
+moe_permute_workspace_bytes = _ext.moe_permute_workspace_bytes
+fused_moe_workspace_bytes = _ext.fused_moe_workspace_bytes
+
 
 def use_torch_op(x: Any) -> bool:
     """Whether a call on tensor x goes through torch.ops.tessera rather than straight to C++."""
@@ -53,6 +61,16 @@ def register() -> bool:
         return False
     from torch import Tensor
     _is_compiling = torch.compiler.is_compiling
+    global moe_permute_capacity, moe_permute_workspace_bytes, fused_moe_workspace_bytes
+
+    def constant(fn: Any) -> Any:
+        def call(*args: int) -> int:
+            return fn(*args)
+        return torch.compiler.assume_constant_result(call)
+
+    moe_permute_capacity = constant(_ext.moe_permute_capacity)
+    moe_permute_workspace_bytes = constant(_ext.moe_permute_workspace_bytes)
+    fused_moe_workspace_bytes = constant(_ext.fused_moe_workspace_bytes)
 
     def no_output(*args: Any, **kwargs: Any) -> None:
         return None
@@ -114,6 +132,26 @@ def register() -> bool:
         _ext.moe_permute(topk_ids, num_experts, align, x, permuted_x, expert_offsets, permuted_token, inverse,
                          workspace, _stream(stream, topk_ids))
 
+    @torch.library.custom_op("tessera::moe_grouped_gemm", mutates_args=("out",))
+    def moe_grouped_gemm(a: Tensor, weights: Tensor, expert_offsets: Tensor, activation: int, out: Tensor,
+                         stream: int) -> None:
+        _ext.moe_grouped_gemm(a, weights, expert_offsets, activation, out, _stream(stream, a))
+
+    @torch.library.custom_op("tessera::moe_combine", mutates_args=("out",))
+    def moe_combine(expert_out: Tensor, inverse: Tensor, topk_weights: Tensor, shared_out: Optional[Tensor],
+                    out: Tensor, stream: int) -> None:
+        _ext.moe_combine(expert_out, inverse, topk_weights, shared_out, out, _stream(stream, expert_out))
+
+    @torch.library.custom_op("tessera::fused_moe", mutates_args=("topk_ids", "topk_weights", "out", "workspace"))
+    def fused_moe(x: Tensor, w1: Tensor, w2: Tensor, router_logits: Optional[Tensor], top_k: int, score: int,
+                  renormalize: bool, num_groups: int, topk_groups: int, routed_scaling: float,
+                  selection_bias: Optional[Tensor], topk_ids: Optional[Tensor], topk_weights: Optional[Tensor],
+                  shared_w1: Optional[Tensor], shared_w2: Optional[Tensor], out: Tensor, workspace: Tensor,
+                  stream: int) -> None:
+        _ext.fused_moe(x, w1, w2, router_logits, top_k, score, renormalize, num_groups, topk_groups,
+                       routed_scaling, selection_bias, topk_ids, topk_weights, shared_w1, shared_w2, out,
+                       workspace, _stream(stream, x))
+
     @torch.library.custom_op("tessera::decode_run", mutates_args=("o", "lse"))
     def decode_run(decoder: int, q: Tensor, k_pages: Tensor, v_pages: Optional[Tensor], o: Tensor,
                    lse: Optional[Tensor], stream: int) -> None:
@@ -124,7 +162,7 @@ def register() -> bool:
         d._run(q, k_pages, v_pages, o, lse, _stream(stream, q))
 
     for op in (batch_prefill, batch_prefill_paged, append_paged_kv, merge_state, merge_state_in_place,
-               merge_states, moe_route, moe_permute, decode_run):
+               merge_states, moe_route, moe_permute, moe_grouped_gemm, moe_combine, fused_moe, decode_run):
         op.register_fake(no_output)
     _registered = True
     return True

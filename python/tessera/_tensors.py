@@ -134,14 +134,22 @@ def empty(shape: Sequence[int], dtype: Any, like: Any) -> Any:
     return np.empty(tuple(shape), dtype=numpy_dtype)
 
 
-def empty_like(x: Any, entry: str, arg: str, rows: Optional[int] = None) -> Any:
-    """An uninitialised tensor like x (its dtype and device), with `rows` rows if given."""
+def empty_like(x: Any, entry: str, arg: str, rows: Optional[int] = None, cols: Optional[int] = None) -> Any:
+    """An uninitialised tensor like x (its dtype and device), with `rows` rows (dim 0) and `cols`
+    columns (the last dim) if given."""
     if is_torch(x):
         torch = _torch
-        dims = tuple(x.shape) if rows is None else (rows,) + tuple(x.shape[1:])
-        return torch.empty(dims, dtype=x.dtype, device=x.device)
-    dtype, _, _, dims = describe(x, entry, arg)
-    return empty(dims if rows is None else (rows,) + tuple(dims[1:]), dtype, like=x)
+        dims, dtype = list(x.shape), x.dtype
+    else:
+        dtype, _, _, dims = describe(x, entry, arg)
+        dims = list(dims)
+    if rows is not None:
+        dims[0] = rows
+    if cols is not None:
+        dims[-1] = cols
+    if is_torch(x):
+        return torch.empty(tuple(dims), dtype=dtype, device=x.device)
+    return empty(tuple(dims), dtype, like=x)
 
 
 # ---- index arrays ----------------------------------------------------------------------------------

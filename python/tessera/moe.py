@@ -1,9 +1,11 @@
-"""Mixture-of-Experts parts (tessera::moe_route, tessera::moe_permute).
+"""Mixture-of-Experts layer: routing, permutation, grouped GEMM, combine, and the whole layer.
 
 moe_route turns router logits [tokens, num_experts] into the top-k experts and their weights;
 moe_permute groups the (token, k) copies by expert into aligned segments, with the offsets
-computed on the device (no host synchronisation, CUDA-graph safe) and results deterministic.
-The grouped GEMM and fused_moe are not in tessera yet.
+computed on the device (no host synchronisation, CUDA-graph safe) and results deterministic;
+moe_grouped_gemm multiplies every expert's segment by its weights (optionally with the SwiGLU
+epilogue); moe_combine sums each token's expert outputs with the routing weights; fused_moe runs
+the whole layer in one call.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ class MoePermutation(NamedTuple):
 
 def moe_permute_capacity(tokens: int, top_k: int, num_experts: int, align: int = 1) -> int:
     """Rows the permuted outputs must hold: tokens x top_k + num_experts x (align - 1)."""
-    return _ext.moe_permute_capacity(tokens, top_k, num_experts, align)
+    return _ops.moe_permute_capacity(tokens, top_k, num_experts, align)
 
 
 @T.stream_scope("topk_ids", 0)
@@ -87,7 +89,7 @@ def moe_permute(topk_ids: Any, num_experts: int, *, align: int = 1, x: Optional[
     if x is not None and permuted_x is None:
         permuted_x = T.empty_like(x, entry, "x", rows=capacity)
     if workspace is None:
-        words = (_ext.moe_permute_workspace_bytes(tokens, top_k, num_experts) + 3) // 4
+        words = (_ops.moe_permute_workspace_bytes(tokens, top_k, num_experts) + 3) // 4
         workspace = T.empty((max(words, 1),), _ext.DType.INT32, like=topk_ids)
     args = (topk_ids, int(num_experts), int(align), x, permuted_x, expert_offsets, permuted_token, inverse,
             workspace)
@@ -96,3 +98,96 @@ def moe_permute(topk_ids: Any, num_experts: int, *, align: int = 1, x: Optional[
     else:
         _ext.moe_permute(*args, T.resolve_stream(stream, topk_ids))
     return MoePermutation(expert_offsets, permuted_token, inverse, permuted_x)
+
+
+_ACTIVATIONS = {None: 0, "none": 0, "swiglu": 1}
+
+
+@T.stream_scope("a", 0)
+def moe_grouped_gemm(a: Any, weights: Any, expert_offsets: Any, *, activation: Optional[str] = None,
+                     out: Optional[Any] = None, stream: Optional[Any] = None) -> Any:
+    """Grouped GEMM: for every expert e, rows [expert_offsets[e], expert_offsets[e + 1]) of
+    a [rows, K] times weights[e] [N, K] transposed -> out [rows, N].
+
+    activation 'swiglu': out [rows, N / 2] = silu(gate) * up, the gate being the first N / 2 rows
+    of each expert's weights and up the rest (vLLM's w13 layout). bf16 / fp16, fp32 accumulation;
+    the offsets are read on the device (CUDA-graph safe); rows outside every segment are not
+    written. out is allocated (rows of a) when not given. Raises tessera.Error for invalid
+    arguments.
+    """
+    entry = "moe_grouped_gemm"
+    if activation not in _ACTIVATIONS:
+        T.fail(entry, "activation", "must be None, 'none' or 'swiglu', got %r" % (activation,))
+    act = _ACTIVATIONS[activation]
+    if out is None:
+        rows = T.shape(a, entry, "a")[0]
+        n = T.shape(weights, entry, "weights")[1]
+        out = T.empty_like(a, entry, "a", cols=n // 2 if act == 1 else n, rows=rows)
+    args = (a, weights, expert_offsets, act, out)
+    if _ops.use_torch_op(a):
+        _ops.torch_ops().moe_grouped_gemm(*args, _ops.stream_arg(stream))
+    else:
+        _ext.moe_grouped_gemm(*args, T.resolve_stream(stream, a))
+    return out
+
+
+@T.stream_scope("expert_out", 0)
+def moe_combine(expert_out: Any, inverse: Any, topk_weights: Any, *, shared_out: Optional[Any] = None,
+                out: Optional[Any] = None, stream: Optional[Any] = None) -> Any:
+    """out[t] = sum_k topk_weights[t, k] * expert_out[inverse[t, k]] (+ shared_out[t]), fp32 sums
+    in k order; copies with inverse -1 are skipped. out [tokens, hidden] is allocated when not
+    given. Raises tessera.Error for invalid arguments."""
+    entry = "moe_combine"
+    if out is None:
+        tokens = T.shape(inverse, entry, "inverse")[0]
+        out = T.empty_like(expert_out, entry, "expert_out", rows=tokens)
+    args = (expert_out, inverse, topk_weights, shared_out, out)
+    if _ops.use_torch_op(expert_out):
+        _ops.torch_ops().moe_combine(*args, _ops.stream_arg(stream))
+    else:
+        _ext.moe_combine(*args, T.resolve_stream(stream, expert_out))
+    return out
+
+
+def fused_moe_workspace_bytes(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                              shared_inter: int = 0) -> int:
+    """Bytes of device workspace fused_moe needs."""
+    return _ops.fused_moe_workspace_bytes(tokens, hidden, inter, num_experts, top_k, shared_inter)
+
+
+@T.stream_scope("x", 0)
+def fused_moe(x: Any, w1: Any, w2: Any, router_logits: Optional[Any] = None, *, top_k: int,
+              topk_ids: Optional[Any] = None, topk_weights: Optional[Any] = None, score: str = "softmax",
+              renormalize: bool = False, selection_bias: Optional[Any] = None, num_groups: int = 1,
+              topk_groups: int = 1, routed_scaling: float = 1.0, shared_w1: Optional[Any] = None,
+              shared_w2: Optional[Any] = None, out: Optional[Any] = None, workspace: Optional[Any] = None,
+              stream: Optional[Any] = None) -> Any:
+    """The whole MoE layer: x [tokens, hidden] -> out [tokens, hidden].
+
+    w1 [num_experts, 2 * inter, hidden] (gate rows, then up rows), w2 [num_experts, hidden, inter].
+    Routing from router_logits [tokens, num_experts] (moe_route's options; topk_ids / topk_weights,
+    when given, receive it) or, without logits, from the given topk_ids / topk_weights. Shared
+    experts: shared_w1 [2 * shared_inter, hidden] and shared_w2 [hidden, shared_inter], a dense
+    SwiGLU MLP over every token added to the result. The workspace (a 1-D device buffer of
+    fused_moe_workspace_bytes(...) bytes, 256-byte aligned) is allocated when not given.
+    Raises tessera.Error for invalid arguments.
+    """
+    entry = "fused_moe"
+    if score not in _SCORES:
+        T.fail(entry, "score", "must be 'softmax' or 'sigmoid', got %r" % (score,))
+    tokens, hidden = T.shape(x, entry, "x")[:2]
+    num_experts, two_inter = T.shape(w1, entry, "w1")[:2]
+    shared_inter = T.shape(shared_w1, entry, "shared_w1")[0] // 2 if shared_w1 is not None else 0
+    if out is None:
+        out = T.empty_like(x, entry, "x")
+    if workspace is None:
+        nbytes = fused_moe_workspace_bytes(tokens, hidden, two_inter // 2, num_experts, top_k, shared_inter)
+        workspace = T.empty((max((nbytes + 3) // 4, 1),), _ext.DType.INT32, like=x)
+    args = (x, w1, w2, router_logits, int(top_k), _SCORES[score], bool(renormalize), int(num_groups),
+            int(topk_groups), float(routed_scaling), selection_bias, topk_ids, topk_weights, shared_w1, shared_w2,
+            out, workspace)
+    if _ops.use_torch_op(x):
+        _ops.torch_ops().fused_moe(*args, _ops.stream_arg(stream))
+    else:
+        _ext.fused_moe(*args, T.resolve_stream(stream, x))
+    return out

@@ -24,7 +24,8 @@ void append(std::string& out, const char* format, ...) {
 // The kernel families beside attention, and their shapes (include/tessera/moe.h).
 constexpr const char* kMoeLine =
     "MoE: routing (top-k <= 32 of <= 512 experts; softmax / sigmoid, selection bias, grouped top-k) and "
-    "permutation (<= 1024 experts, aligned segments); grouped GEMM and fused_moe not yet\n";
+    "permutation (<= 1024 experts, aligned segments); grouped GEMM (<= 1024 experts, K and N multiples of 8, "
+    "SwiGLU epilogue; Hopper: TMA + wgmma, else mma.sync), combine, fused_moe (shared experts)\n";
 
 std::string info_text(const DeviceInfo& info) {
   std::string out;

@@ -1,6 +1,8 @@
 // CPU reference for the Mixture-of-Experts layer (fp64). Conventions: moe_ref.h.
 #include "reference/moe_ref.h"
 
+#include "reference/attention_ref.h"  // round_to_mantissa
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -179,6 +181,198 @@ Permutation permute(const int32_t* expert, int64_t tokens, int top_k, int num_ex
     p.permuted_token[row] = static_cast<int32_t>(i / top_k);
   }
   return p;
+}
+
+namespace {
+
+void check_segments(int64_t rows, int k, int num_experts, int n, const int32_t* offsets, bool swiglu) {
+  require(rows >= 0 && k >= 1 && n >= 1 && num_experts >= 1, "bad grouped GEMM shape");
+  require(!swiglu || n % 2 == 0, "swiglu needs an even n");
+  for (int e = 0; e < num_experts; ++e) {
+    require(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && offsets[e + 1] <= rows,
+            "offsets must be non-decreasing within [0, rows]");
+  }
+}
+
+// acc[j] = sum_i a_row[i] w_e[j, i] for j < n, in Acc, each sum in i order; four output columns
+// at a time (independent chains, so the loop is not one long dependency).
+template <typename Acc>
+void row_products(const float* a_row, const float* w_e, int k, int n, Acc* acc) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* w0 = w_e + static_cast<int64_t>(j) * k;
+    const float *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+    Acc s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int i = 0; i < k; ++i) {
+      const Acc x = static_cast<Acc>(a_row[i]);
+      s0 += x * static_cast<Acc>(w0[i]);
+      s1 += x * static_cast<Acc>(w1[i]);
+      s2 += x * static_cast<Acc>(w2[i]);
+      s3 += x * static_cast<Acc>(w3[i]);
+    }
+    acc[j] = s0, acc[j + 1] = s1, acc[j + 2] = s2, acc[j + 3] = s3;
+  }
+  for (; j < n; ++j) {
+    const float* wj = w_e + static_cast<int64_t>(j) * k;
+    Acc s = 0;
+    for (int i = 0; i < k; ++i) s += static_cast<Acc>(a_row[i]) * static_cast<Acc>(wj[i]);
+    acc[j] = s;
+  }
+}
+
+double silu(double g) { return g / (1.0 + std::exp(-g)); }
+float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// The naive 16-bit SwiGLU of one element: rounded silu of the rounded gate, times the rounded up.
+float swiglu_lowp(float g, float u, int bits) {
+  const float gr = round_to_mantissa(g, bits), ur = round_to_mantissa(u, bits);
+  return round_to_mantissa(round_to_mantissa(silu(gr), bits) * ur, bits);
+}
+
+template <typename Acc, typename Finish>
+void grouped_gemm_impl(const float* a, int64_t rows, int k, const float* w, int num_experts, int n,
+                       const int32_t* offsets, bool swiglu, std::vector<double>& out, Finish finish) {
+  check_segments(rows, k, num_experts, n, offsets, swiglu);
+  const int out_cols = swiglu ? n / 2 : n;
+  out.assign(static_cast<size_t>(rows) * out_cols, 0.0);
+  std::vector<Acc> acc(static_cast<size_t>(n));
+  for (int e = 0; e < num_experts; ++e) {
+    const float* w_e = w + static_cast<int64_t>(e) * n * k;
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+      row_products(a + r * k, w_e, k, n, acc.data());
+      finish(acc.data(), out.data() + r * out_cols);
+    }
+  }
+}
+
+}  // namespace
+
+void grouped_gemm(const float* a, int64_t rows, int k, const float* w, int num_experts, int n,
+                  const int32_t* offsets, bool swiglu, std::vector<double>& out) {
+  const int half = n / 2;
+  grouped_gemm_impl<double>(a, rows, k, w, num_experts, n, offsets, swiglu, out,
+                            [&](const double* acc, double* o) {
+                              if (!swiglu) {
+                                std::copy(acc, acc + n, o);
+                              } else {
+                                for (int j = 0; j < half; ++j) o[j] = silu(acc[j]) * acc[half + j];
+                              }
+                            });
+}
+
+void grouped_gemm_naive_lowp(const float* a, int64_t rows, int k, const float* w, int num_experts,
+                             int n, const int32_t* offsets, bool swiglu, int mantissa_bits,
+                             std::vector<double>& out) {
+  const int half = n / 2;
+  grouped_gemm_impl<float>(a, rows, k, w, num_experts, n, offsets, swiglu, out,
+                           [&](const float* acc, double* o) {
+                             if (!swiglu) {
+                               for (int j = 0; j < n; ++j) o[j] = round_to_mantissa(acc[j], mantissa_bits);
+                             } else {
+                               for (int j = 0; j < half; ++j) o[j] = swiglu_lowp(acc[j], acc[half + j], mantissa_bits);
+                             }
+                           });
+}
+
+namespace {
+
+template <typename Acc, typename Finish>
+void combine_impl(const float* expert_out, int64_t rows, int hidden, const int32_t* inverse,
+                  const float* weights, int64_t tokens, int top_k, const float* shared_out,
+                  std::vector<double>& out, Finish finish) {
+  require(rows >= 0 && hidden >= 1 && tokens >= 0 && top_k >= 1, "bad combine shape");
+  out.assign(static_cast<size_t>(tokens) * hidden, 0.0);
+  std::vector<Acc> acc(static_cast<size_t>(hidden));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), Acc(0));
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t row = inverse[t * top_k + j];
+      if (row < 0) continue;
+      require(row < rows, "inverse holds a row past expert_out");
+      const Acc wt = static_cast<Acc>(weights[t * top_k + j]);
+      const float* y = expert_out + row * hidden;
+      for (int c = 0; c < hidden; ++c) acc[c] += wt * static_cast<Acc>(y[c]);
+    }
+    if (shared_out != nullptr) {
+      for (int c = 0; c < hidden; ++c) acc[c] += static_cast<Acc>(shared_out[t * hidden + c]);
+    }
+    for (int c = 0; c < hidden; ++c) out[t * hidden + c] = finish(acc[c]);
+  }
+}
+
+}  // namespace
+
+void combine(const float* expert_out, int64_t rows, int hidden, const int32_t* inverse,
+             const float* weights, int64_t tokens, int top_k, const float* shared_out,
+             std::vector<double>& out) {
+  combine_impl<double>(expert_out, rows, hidden, inverse, weights, tokens, top_k, shared_out, out,
+                       [](double v) { return v; });
+}
+
+void combine_naive_lowp(const float* expert_out, int64_t rows, int hidden, const int32_t* inverse,
+                        const float* weights, int64_t tokens, int top_k, const float* shared_out,
+                        int mantissa_bits, std::vector<double>& out) {
+  combine_impl<float>(expert_out, rows, hidden, inverse, weights, tokens, top_k, shared_out, out,
+                      [mantissa_bits](float v) { return double(round_to_mantissa(v, mantissa_bits)); });
+}
+
+namespace {
+
+// One SwiGLU expert naively in 16 bits (moe_layer's layouts): y rounded (the stored expert output).
+void swiglu_expert_lowp(const float* x, const float* w_gate_up, const float* w_down, int hidden,
+                        int inter, int bits, std::vector<float>& h, float* y) {
+  h.assign(static_cast<size_t>(inter), 0.f);
+  std::vector<float> gate(static_cast<size_t>(inter), 0.f), up(static_cast<size_t>(inter), 0.f);
+  for (int i = 0; i < hidden; ++i) {  // sums in i order for every column
+    const float* w_row = w_gate_up + static_cast<int64_t>(i) * 2 * inter;
+    for (int j = 0; j < inter; ++j) {
+      gate[j] += x[i] * w_row[j];
+      up[j] += x[i] * w_row[inter + j];
+    }
+  }
+  for (int j = 0; j < inter; ++j) h[j] = swiglu_lowp(gate[j], up[j], bits);
+  for (int c = 0; c < hidden; ++c) y[c] = 0.f;
+  for (int j = 0; j < inter; ++j) {
+    const float* d_row = w_down + static_cast<int64_t>(j) * hidden;
+    for (int c = 0; c < hidden; ++c) y[c] += h[j] * d_row[c];
+  }
+  for (int c = 0; c < hidden; ++c) y[c] = round_to_mantissa(y[c], bits);
+}
+
+}  // namespace
+
+void moe_layer_naive_lowp(const float* x, int64_t tokens, int hidden, int inter,
+                          const float* w_gate_up, const float* w_down, const Routing& routing,
+                          int top_k, const SharedExpert& shared, int mantissa_bits,
+                          std::vector<double>& y) {
+  const size_t slots = static_cast<size_t>(tokens) * top_k;
+  require(routing.expert.size() == slots && routing.weight.size() == slots,
+          "routing must hold tokens * top_k entries");
+  require(shared.inter == 0 || (shared.w_gate_up != nullptr && shared.w_down != nullptr),
+          "a shared expert needs both weights");
+  const int64_t gate_up_size = static_cast<int64_t>(hidden) * 2 * inter;
+  const int64_t down_size = static_cast<int64_t>(inter) * hidden;
+  y.assign(static_cast<size_t>(tokens) * hidden, 0.0);
+  std::vector<float> h, expert_out(static_cast<size_t>(hidden)), shared_out(static_cast<size_t>(hidden));
+  std::vector<float> acc(static_cast<size_t>(hidden));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* xt = x + t * hidden;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int k = 0; k < top_k; ++k) {
+      const int64_t e = routing.expert[t * top_k + k];
+      if (e < 0) continue;  // dropped
+      swiglu_expert_lowp(xt, w_gate_up + e * gate_up_size, w_down + e * down_size, hidden, inter,
+                         mantissa_bits, h, expert_out.data());
+      const float w = static_cast<float>(routing.weight[t * top_k + k]);
+      for (int c = 0; c < hidden; ++c) acc[c] += w * expert_out[c];
+    }
+    if (shared.inter > 0) {
+      swiglu_expert_lowp(xt, shared.w_gate_up, shared.w_down, hidden, shared.inter, mantissa_bits,
+                         h, shared_out.data());
+      for (int c = 0; c < hidden; ++c) acc[c] += shared_out[c];
+    }
+    for (int c = 0; c < hidden; ++c) y[t * hidden + c] = round_to_mantissa(acc[c], mantissa_bits);
+  }
 }
 
 }  // namespace tessera::ref

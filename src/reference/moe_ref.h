@@ -1,4 +1,5 @@
-// CPU reference for the Mixture-of-Experts layer (fp64): routing, top-k, SwiGLU experts, combine.
+// CPU reference for the Mixture-of-Experts layer (fp64): routing, top-k, SwiGLU experts, combine,
+// the permutation and the grouped GEMM, plus naive 16-bit versions that set the kernels' tolerances.
 #pragma once
 
 #include <cstdint>
@@ -56,5 +57,57 @@ struct Permutation {
 };
 Permutation permute(const int32_t* expert, int64_t tokens, int top_k, int num_experts, int align,
                     int64_t capacity);
+
+// ---- Grouped GEMM, combine (tessera::moe_grouped_gemm / moe_combine's math) ----------------------
+// Layouts are the kernels' own, dense: a [rows, k], w [num_experts, n, k] (each expert's n rows of
+// k), offsets [num_experts + 1] non-decreasing within [0, rows] (offsets[0] may be > 0).
+
+// For every expert e and row r in [offsets[e], offsets[e + 1]): acc[r, j] = sum_i a[r, i] w[e, j, i].
+// out is resized to [rows, n], or with swiglu to [rows, n / 2] holding silu(g) * u, g = acc[r, j],
+// u = acc[r, n / 2 + j]; rows outside every segment hold 0.
+void grouped_gemm(const float* a, int64_t rows, int k, const float* w, int num_experts, int n,
+                  const int32_t* offsets, bool swiglu, std::vector<double>& out);
+
+// The same computation done naively in a 16-bit precision (`mantissa_bits` 7: bf16, 10: fp16), as
+// the unfused composition would (PyTorch's bf16 path): fp32 sums in k order rounded to 16 bits
+// (the GEMM's stored output); with swiglu, silu(g) computed in fp32 from the rounded g and rounded,
+// then times the rounded u, rounded again. Its max error against grouped_gemm sets the kernels'
+// tolerance (the FlashAttention rule: at most 2x it plus a small floor).
+void grouped_gemm_naive_lowp(const float* a, int64_t rows, int k, const float* w, int num_experts,
+                             int n, const int32_t* offsets, bool swiglu, int mantissa_bits,
+                             std::vector<double>& out);
+
+// out[t, c] = sum_j weights[t, j] * expert_out[inverse[t, j], c] (+ shared_out[t, c]), copies with
+// inverse < 0 (dropped) skipped; a token with every copy dropped and no shared_out gets 0.
+// expert_out [rows, hidden]; inverse, weights [tokens, top_k]; shared_out [tokens, hidden] or null;
+// out resized to [tokens, hidden].
+void combine(const float* expert_out, int64_t rows, int hidden, const int32_t* inverse,
+             const float* weights, int64_t tokens, int top_k, const float* shared_out,
+             std::vector<double>& out);
+
+// The combine as its contract computes it in a 16-bit precision: products and sums in fp32 in k
+// order, shared_out added last, one rounding to `mantissa_bits`.
+void combine_naive_lowp(const float* expert_out, int64_t rows, int hidden, const int32_t* inverse,
+                        const float* weights, int64_t tokens, int top_k, const float* shared_out,
+                        int mantissa_bits, std::vector<double>& out);
+
+// An optional shared expert (a dense SwiGLU MLP over every token, added with weight 1), in
+// moe_layer's layouts: w_gate_up [hidden, 2 * inter], w_down [inter, hidden]. inter 0: none.
+struct SharedExpert {
+  const float* w_gate_up = nullptr;
+  const float* w_down = nullptr;
+  int inter = 0;
+};
+
+// moe_layer (plus the shared expert) done naively in a 16-bit precision, the unfused composition
+// of the library's parts with every stored intermediate rounded to `mantissa_bits`: per (token, k)
+// copy, the gate / up GEMM and SwiGLU as grouped_gemm_naive_lowp (rounded g and u, rounded silu,
+// rounded h), the down projection summed in fp32 and rounded (the expert output), the shared
+// expert the same way; then the combine as combine_naive_lowp. Copies with a negative expert id
+// are dropped. Same layouts as moe_layer; y resized to [tokens, hidden].
+void moe_layer_naive_lowp(const float* x, int64_t tokens, int hidden, int inter,
+                          const float* w_gate_up, const float* w_down, const Routing& routing,
+                          int top_k, const SharedExpert& shared, int mantissa_bits,
+                          std::vector<double>& y);
 
 }  // namespace tessera::ref

@@ -738,7 +738,8 @@ TEST(DeviceInfoText, ListsThePathAndTheMoeParts) {
   const std::string text = info_text(device_info());
   EXPECT_THAT(text, HasSubstr("kernel path: "));
   EXPECT_THAT(text, HasSubstr("MoE: routing (top-k <= 32 of <= 512 experts"));
-  EXPECT_THAT(text, HasSubstr("grouped GEMM and fused_moe not yet"));
+  EXPECT_THAT(text, HasSubstr("grouped GEMM (<= 1024 experts"));
+  EXPECT_THAT(text, HasSubstr("fused_moe"));
 }
 
 }  // namespace
@@ -783,6 +784,350 @@ TEST(BadInputMoe, OverlapsAndSizing) {
   expect_error([] { moe_permute_capacity(4, 0, 8, 1); }, {"argument 'top_k'"});
   expect_error([] { moe_permute_capacity(4, 2, 8, 0); }, {"argument 'align'"});
   expect_error([] { moe_permute_workspace_bytes(4, 2, 2000); }, {"argument 'num_experts'"});
+}
+
+}  // namespace
+}  // namespace tessera
+
+namespace tessera {
+namespace {
+
+// ---- The grouped GEMM, the combine and fused_moe -------------------------------------------------
+// Valid problems each test breaks in one way; the error must name the entry point and the argument,
+// and come from validation (on the host, before any launch: the pointers are fake). Where the
+// contract leaves open which of two arguments a cross-rule blames (K of `a` against the weights'),
+// either is accepted.
+
+bool gpu_visible() {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  (void)cudaGetLastError();
+  return gpus > 0;
+}
+
+// Expects a tessera::Error from `call` naming `entry` (or `alt_entry`: fused_moe's routing options
+// may be reported by the moe_route it runs, under the same names) and at least one of `args`.
+void expect_arg_error(const char* entry, const std::function<void()>& call, std::vector<std::string> args,
+                      const char* alt_entry = nullptr) {
+  std::string names;
+  for (const auto& a : args) names += (names.empty() ? "'" : " or '") + a + "'";
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected an error naming " << names;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    if (alt_entry == nullptr || what.find(std::string("tessera::") + alt_entry + ": ") == std::string::npos) {
+      EXPECT_THAT(what, HasSubstr(std::string("tessera::") + entry + ": "));
+    }
+    bool named = false;
+    for (const auto& a : args) named = named || what.find("argument '" + a + "'") != std::string::npos;
+    EXPECT_TRUE(named) << "'" << what << "' names none of " << names;
+  }
+}
+
+// A valid problem passes validation: with fake pointers and no GPU it fails later, if at all,
+// without blaming an argument.
+void expect_passes_validation(const std::function<void()>& call, const char* what) {
+  try {
+    call();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("argument"))) << what << ": the valid problem is refused";
+  }
+}
+
+// 64 rows, 8 experts, K 72, N 136 (kStore).
+struct MoeGemmProblem {
+  MoeGroupedGemmArgs a;
+  MoeGemmProblem() {
+    a.a = TensorView::contiguous(fake(), DType::kBF16, {64, 72});
+    a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 136, 72});
+    a.expert_offsets = TensorView::contiguous(fake(2 << 24), DType::kInt32, {9});
+    a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 136});
+  }
+  void run() { moe_grouped_gemm(a, nullptr); }
+};
+
+// 16 tokens x top-2 over 40 permuted rows, hidden 64, with a shared expert's output.
+struct MoeCombineProblem {
+  MoeCombineArgs a;
+  MoeCombineProblem() {
+    a.expert_out = TensorView::contiguous(fake(), DType::kBF16, {40, 64});
+    a.inverse = TensorView::contiguous(fake(1 << 24), DType::kInt32, {16, 2});
+    a.topk_weights = TensorView::contiguous(fake(2 << 24), DType::kFP32, {16, 2});
+    a.shared_out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {16, 64});
+    a.out = TensorView::contiguous(fake(4 << 24), DType::kBF16, {16, 64});
+  }
+  void run() { moe_combine(a, nullptr); }
+};
+
+// 16 tokens, hidden 64, inter 32, 8 experts, top-2 routed from logits (received in topk_ids /
+// topk_weights), a selection bias, a shared expert of inter 16.
+struct FusedMoeProblem {
+  FusedMoeArgs a;
+  FusedMoeProblem() {
+    a.x = TensorView::contiguous(fake(), DType::kBF16, {16, 64});
+    a.w1 = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 64, 64});
+    a.w2 = TensorView::contiguous(fake(2 << 24), DType::kBF16, {8, 64, 32});
+    a.router_logits = TensorView::contiguous(fake(3 << 24), DType::kFP32, {16, 8});
+    a.top_k = 2;
+    a.selection_bias = TensorView::contiguous(fake(4 << 24), DType::kFP32, {8});
+    a.topk_ids = TensorView::contiguous(fake(5 << 24), DType::kInt32, {16, 2});
+    a.topk_weights = TensorView::contiguous(fake(6 << 24), DType::kFP32, {16, 2});
+    a.shared_w1 = TensorView::contiguous(fake(7 << 24), DType::kBF16, {32, 64});
+    a.shared_w2 = TensorView::contiguous(fake(8 << 24), DType::kBF16, {64, 16});
+    a.out = TensorView::contiguous(fake(9 << 24), DType::kBF16, {16, 64});
+    a.workspace = fake(10 << 24);
+    a.workspace_size = fused_moe_workspace_bytes(16, 64, 32, 8, 2, 16);
+  }
+  void run() { fused_moe(a, nullptr); }
+};
+
+// The routing given by the caller: topk_ids / topk_weights are inputs, no logits.
+struct FusedMoeGivenProblem : FusedMoeProblem {
+  FusedMoeGivenProblem() {
+    a.router_logits = TensorView();
+    a.selection_bias = TensorView();
+  }
+};
+
+// ValidationTable's generic view rules over the new entry points' tensors. "null data" is skipped
+// for optional tensors (a null view there means "not given").
+TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
+  if (gpu_visible()) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  const std::vector<ViewRule> rules = {
+      {"dtype", false, [](TensorView& t) { t.dtype = t.dtype == DType::kInt32 ? DType::kFP32 : DType::kInt32; }},
+      {"rank", false, [](TensorView& t) { t.shape[t.rank] = 1, t.stride[t.rank] = 1, ++t.rank; }},
+      {"null data", false, [](TensorView& t) { t.data = nullptr; }},
+      {"host memory", false, [](TensorView& t) { t.device = Device::kCPU; }},
+      {"misaligned", false, [](TensorView& t) { t.data = static_cast<char*>(t.data) + 1; }},
+      {"extent past 2^63 bytes", false, [](TensorView& t) { t.stride[0] = int64_t(1) << 62; }},
+      {"broadcast output", true, [](TensorView& t) { t.stride[0] = 0; }},
+  };
+  using GP = MoeGemmProblem;
+  using CP = MoeCombineProblem;
+  using FP = FusedMoeProblem;
+  using FG = FusedMoeGivenProblem;
+  auto in = [](auto get) { return std::make_pair(false, get); };
+  auto out = [](auto get) { return std::make_pair(true, get); };
+  std::vector<TableEntry> t;
+  t.push_back(table_entry<GP>("moe_grouped_gemm", [](GP& p) { p.run(); },
+      {{"a", in(std::function<TensorView&(GP&)>([](GP& p) -> TensorView& { return p.a.a; }))},
+       {"weights", in(std::function<TensorView&(GP&)>([](GP& p) -> TensorView& { return p.a.weights; }))},
+       {"expert_offsets", in(std::function<TensorView&(GP&)>([](GP& p) -> TensorView& { return p.a.expert_offsets; }))},
+       {"out", out(std::function<TensorView&(GP&)>([](GP& p) -> TensorView& { return p.a.out; }))}}));
+  t.push_back(table_entry<CP>("moe_combine", [](CP& p) { p.run(); },
+      {{"expert_out", in(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.expert_out; }))},
+       {"inverse", in(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.inverse; }))},
+       {"topk_weights", in(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.topk_weights; }))},
+       {"out", out(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.out; }))}}));
+  t.push_back(table_entry<FP>("fused_moe", [](FP& p) { p.run(); },
+      {{"x", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.x; }))},
+       {"w1", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.w1; }))},
+       {"w2", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.w2; }))},
+       {"out", out(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.out; }))}}));
+  t.push_back(table_entry<FG>("fused_moe", [](FG& p) { p.run(); },
+      {{"topk_ids", in(std::function<TensorView&(FG&)>([](FG& p) -> TensorView& { return p.a.topk_ids; }))},
+       {"topk_weights", in(std::function<TensorView&(FG&)>([](FG& p) -> TensorView& { return p.a.topk_weights; }))}}));
+  // Optional tensors: every rule but "null data".
+  std::vector<TableEntry> optional;
+  optional.push_back(table_entry<CP>("moe_combine", [](CP& p) { p.run(); },
+      {{"shared_out", in(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.shared_out; }))}}));
+  optional.push_back(table_entry<FP>("fused_moe", [](FP& p) { p.run(); },
+      {{"router_logits", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.router_logits; }))},
+       {"selection_bias", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.selection_bias; }))},
+       {"shared_w1", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.shared_w1; }))},
+       {"shared_w2", in(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.shared_w2; }))},
+       {"topk_ids", out(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.topk_ids; }))},
+       {"topk_weights", out(std::function<TensorView&(FP&)>([](FP& p) -> TensorView& { return p.a.topk_weights; }))}}));
+  int cases = 0;
+  for (bool is_optional : {false, true}) {
+    for (const TableEntry& e : is_optional ? optional : t) {
+      {
+        auto problem = e.make();
+        expect_passes_validation([&] { e.call(problem.get()); }, e.entry);
+      }
+      for (const TableArg& arg : e.args) {
+        for (const ViewRule& rule : rules) {
+          if (rule.outputs_only && !arg.output) continue;
+          if (is_optional && std::string(rule.rule) == "null data") continue;
+          auto problem = e.make();
+          TensorView& view = arg.view(problem.get());
+          rule.apply(view);
+          SCOPED_TRACE(std::string(e.entry) + " argument " + arg.name + ": " + rule.rule);
+          const bool route_option = std::string(arg.name) == "selection_bias";
+          expect_arg_error(e.entry, [&] { e.call(problem.get()); }, {arg.name}, route_option ? "moe_route" : nullptr);
+          ++cases;
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 100);
+}
+
+TEST(BadInputMoeGemm, ShapesDtypesStridesAndLimits) {
+  if (gpu_visible()) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  const char* kEntry = "moe_grouped_gemm";
+  auto fails = [&](const std::function<void(MoeGroupedGemmArgs&)>& brk, std::vector<std::string> args) {
+    MoeGemmProblem p;
+    brk(p.a);
+    expect_arg_error(kEntry, [&] { p.run(); }, std::move(args));
+  };
+  {
+    MoeGemmProblem p;
+    expect_passes_validation([&] { p.run(); }, kEntry);
+    p.a.activation = MoeActivation::kSwiGLU;
+    p.a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 144, 72});
+    p.a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 72});
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm kSwiGLU");
+    p.a.a = TensorView::strided(fake(), DType::kBF16, {64, 72}, {136, 1});  // a slice: row stride 136
+    p.a.out = TensorView::strided(fake(3 << 24), DType::kBF16, {64, 72}, {80, 1});
+    p.a.weights = TensorView::strided(fake(1 << 24), DType::kBF16, {8, 144, 72}, {144 * 80, 80, 1});
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm strided");
+  }
+  fails([](auto& a) { a.a.dtype = DType::kFP32; }, {"a"});
+  fails([](auto& a) { a.weights.dtype = DType::kFP16; }, {"weights"});  // not a's dtype
+  fails([](auto& a) { a.out.dtype = DType::kFP16; }, {"out"});
+  fails([](auto& a) { a.expert_offsets = TensorView::contiguous(fake(2 << 24), DType::kInt32, {8}); }, {"expert_offsets"});
+  fails([](auto& a) { a.expert_offsets.dtype = DType::kFP32; }, {"expert_offsets"});
+  fails([](auto& a) { a.expert_offsets = TensorView::strided(fake(2 << 24), DType::kInt32, {9}, {2}); }, {"expert_offsets"});
+  fails([](auto& a) { a.expert_offsets.device = Device::kCPU; }, {"expert_offsets"});  // read on the device
+  // K a multiple of 8, and the same in a and the weights.
+  fails([](auto& a) {
+    a.a = TensorView::contiguous(fake(), DType::kBF16, {64, 68});
+    a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 136, 68});
+  }, {"a", "weights"});
+  fails([](auto& a) { a.a = TensorView::contiguous(fake(), DType::kBF16, {64, 80}); }, {"a", "weights"});
+  // N (and I) multiples of 8; out's columns N, or N / 2 with SwiGLU.
+  fails([](auto& a) {
+    a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 132, 72});
+    a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 132});
+  }, {"weights", "out"});
+  fails([](auto& a) {
+    a.activation = MoeActivation::kSwiGLU;  // N 136: I = 68
+    a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 68});
+  }, {"weights", "out", "activation"});
+  fails([](auto& a) {  // out holds N, not N / 2
+    a.activation = MoeActivation::kSwiGLU;
+    a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 144, 72});
+    a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 144});
+  }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 68}); }, {"out"});
+  fails([](auto& a) { a.activation = static_cast<MoeActivation>(7); }, {"activation"});
+  // Rows: out as many as a.
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {63, 136}); }, {"out"});
+  // Strides: contiguous columns, row strides multiples of 8 elements, the weights' K contiguous.
+  fails([](auto& a) { a.a = TensorView::strided(fake(), DType::kBF16, {64, 72}, {76, 1}); }, {"a"});
+  fails([](auto& a) { a.a = TensorView::strided(fake(), DType::kBF16, {64, 72}, {144, 2}); }, {"a"});
+  fails([](auto& a) { a.out = TensorView::strided(fake(3 << 24), DType::kBF16, {64, 136}, {140, 1}); }, {"out"});
+  fails([](auto& a) { a.out = TensorView::strided(fake(3 << 24), DType::kBF16, {64, 136}, {272, 2}); }, {"out"});
+  fails([](auto& a) {
+    a.weights = TensorView::strided(fake(1 << 24), DType::kBF16, {8, 136, 72}, {136 * 144, 144, 2});
+  }, {"weights"});
+  // Limits: at most 1024 experts, fewer than 2^31 rows.
+  fails([](auto& a) {
+    a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {1025, 8, 72});
+    a.expert_offsets = TensorView::contiguous(fake(2 << 24), DType::kInt32, {1026});
+    a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {64, 8});
+  }, {"weights", "expert_offsets"});
+  fails([](auto& a) {
+    a.a = TensorView::contiguous(fake(), DType::kBF16, {int64_t(1) << 31, 8});
+    a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 8, 8});
+    a.out = TensorView::contiguous(fake(int64_t(1) << 36), DType::kBF16, {int64_t(1) << 31, 8});
+  }, {"a", "out"});
+  // out apart from every input.
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(), DType::kBF16, {64, 136}); }, {"out"});  // over a
+  fails([](auto& a) { a.out = TensorView::contiguous(fake((1 << 24) + 256), DType::kBF16, {64, 136}); }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake((2 << 24) - 64), DType::kBF16, {64, 136}); },
+        {"out", "expert_offsets"});
+}
+
+TEST(BadInputMoeCombine, ShapesDtypesAndOverlaps) {
+  if (gpu_visible()) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  const char* kEntry = "moe_combine";
+  auto fails = [&](const std::function<void(MoeCombineArgs&)>& brk, std::vector<std::string> args) {
+    MoeCombineProblem p;
+    brk(p.a);
+    expect_arg_error(kEntry, [&] { p.run(); }, std::move(args));
+  };
+  {
+    MoeCombineProblem p;
+    expect_passes_validation([&] { p.run(); }, kEntry);
+    p.a.shared_out = TensorView();
+    expect_passes_validation([&] { p.run(); }, "moe_combine without shared_out");
+  }
+  fails([](auto& a) { a.expert_out.dtype = DType::kFP32; }, {"expert_out"});
+  fails([](auto& a) { a.expert_out = TensorView::strided(fake(), DType::kBF16, {40, 64}, {128, 2}); }, {"expert_out"});
+  fails([](auto& a) { a.inverse.dtype = DType::kFP32; }, {"inverse"});
+  fails([](auto& a) { a.inverse = TensorView::strided(fake(1 << 24), DType::kInt32, {16, 2}, {4, 1}); }, {"inverse"});
+  fails([](auto& a) { a.topk_weights.dtype = DType::kBF16; }, {"topk_weights"});
+  fails([](auto& a) { a.topk_weights = TensorView::contiguous(fake(2 << 24), DType::kFP32, {16, 3}); },
+        {"topk_weights", "inverse"});
+  fails([](auto& a) { a.shared_out.dtype = DType::kFP16; }, {"shared_out"});
+  fails([](auto& a) { a.shared_out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {16, 56}); }, {"shared_out"});
+  fails([](auto& a) { a.out.dtype = DType::kFP16; }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(4 << 24), DType::kBF16, {16, 72}); }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(4 << 24), DType::kBF16, {15, 64}); }, {"out", "inverse"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(128), DType::kBF16, {16, 64}); }, {"out", "expert_out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(1 << 24), DType::kBF16, {16, 64}); }, {"out", "inverse"});
+}
+
+TEST(BadInputFusedMoe, ShapesRoutingAndWorkspace) {
+  if (gpu_visible()) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  const char* kEntry = "fused_moe";
+  auto fails = [&](const std::function<void(FusedMoeArgs&)>& brk, std::vector<std::string> args,
+                   const char* alt_entry = nullptr) {
+    FusedMoeProblem p;
+    brk(p.a);
+    expect_arg_error(kEntry, [&] { p.run(); }, std::move(args), alt_entry);
+  };
+  {
+    FusedMoeProblem p;
+    expect_passes_validation([&] { p.run(); }, kEntry);
+    FusedMoeGivenProblem g;
+    expect_passes_validation([&] { g.run(); }, "fused_moe with the caller's routing");
+    FusedMoeProblem q;  // no routing outputs, no shared expert, no bias
+    q.a.topk_ids = q.a.topk_weights = q.a.shared_w1 = q.a.shared_w2 = q.a.selection_bias = TensorView();
+    q.a.workspace_size = fused_moe_workspace_bytes(16, 64, 32, 8, 2);
+    expect_passes_validation([&] { q.run(); }, "fused_moe, logits only");
+  }
+  fails([](auto& a) { a.x.dtype = DType::kFP32; }, {"x"});
+  fails([](auto& a) { a.w1.dtype = DType::kFP16; }, {"w1"});
+  fails([](auto& a) { a.w2.dtype = DType::kFP16; }, {"w2"});
+  fails([](auto& a) { a.w1 = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 64, 72}); }, {"w1"});  // hidden
+  fails([](auto& a) { a.w1 = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 72, 64}); }, {"w1", "w2"});
+  fails([](auto& a) { a.w2 = TensorView::contiguous(fake(2 << 24), DType::kBF16, {8, 72, 32}); }, {"w2"});
+  fails([](auto& a) { a.w2 = TensorView::contiguous(fake(2 << 24), DType::kBF16, {4, 64, 32}); }, {"w2", "w1"});
+  fails([](auto& a) { a.router_logits = TensorView::contiguous(fake(3 << 24), DType::kFP32, {16, 4}); },
+        {"router_logits"});
+  fails([](auto& a) { a.router_logits = TensorView::contiguous(fake(3 << 24), DType::kFP32, {15, 8}); },
+        {"router_logits"});
+  fails([](auto& a) { a.top_k = 0; }, {"top_k"});
+  fails([](auto& a) { a.top_k = 9; }, {"top_k"});  // more than the 8 experts
+  fails([](auto& a) { a.router_logits.dtype = DType::kInt32; }, {"router_logits"});
+  fails([](auto& a) { a.num_groups = 3; }, {"num_groups"}, "moe_route");
+  fails([](auto& a) { a.selection_bias = TensorView::contiguous(fake(4 << 24), DType::kFP32, {7}); },
+        {"selection_bias"}, "moe_route");
+  fails([](auto& a) { a.topk_ids = TensorView::contiguous(fake(5 << 24), DType::kInt32, {16, 3}); },
+        {"topk_ids", "top_k"});
+  fails([](auto& a) {  // no routing at all
+    a.router_logits = a.selection_bias = a.topk_ids = a.topk_weights = TensorView();
+  }, {"topk_ids", "router_logits"});
+  fails([](auto& a) {  // the caller's ids without their weights
+    a.router_logits = a.selection_bias = a.topk_weights = TensorView();
+  }, {"topk_weights", "router_logits"});
+  fails([](auto& a) { a.shared_w2 = TensorView(); }, {"shared_w2", "shared_w1"});
+  fails([](auto& a) { a.shared_w1 = TensorView::contiguous(fake(7 << 24), DType::kBF16, {32, 72}); }, {"shared_w1"});
+  fails([](auto& a) { a.shared_w2 = TensorView::contiguous(fake(8 << 24), DType::kBF16, {64, 24}); },
+        {"shared_w2", "shared_w1"});
+  fails([](auto& a) { a.out.dtype = DType::kFP16; }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(9 << 24), DType::kBF16, {16, 72}); }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(64), DType::kBF16, {16, 64}); }, {"out", "x"});  // over x
+  fails([](auto& a) { a.workspace = nullptr; }, {"workspace"});
+  fails([](auto& a) { a.workspace_size -= 1; }, {"workspace_size"});
+  fails([](auto& a) { a.workspace = fake((10 << 24) + 16); }, {"workspace"});  // 16- but not 256-byte aligned
+  fails([](auto& a) { a.workspace = fake(9 << 24); }, {"workspace", "out"});     // over out
+  expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, 64, 32, 8, 0); }, {"top_k"});
+  expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, 64, 32, 0, 2); }, {"num_experts"});
 }
 
 }  // namespace

@@ -90,6 +90,15 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// A 2-D box at (c0, c1) of `map` into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(&bar->word)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
 // A 3-D box at (c0, c1, c2) of `map` into shared memory at `dst`, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1,
                                             int c2) {

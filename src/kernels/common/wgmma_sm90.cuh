@@ -150,7 +150,10 @@ struct GmmaAtoms;  // the CuTe atoms of shape 64 x N x 16 with fp32 accumulators
     template <gmma::Major kB>                                                                        \
     using RS = gmma::MMA_64x##N##x16_F32F16F16_RS<gmma::Major::K, kB>;                               \
   };
-// The N of the tile shapes in use (keys of S = Q K^T, head dims of O += P V).
+// The N of the tile shapes in use (keys of S = Q K^T, head dims of O += P V; the grouped GEMM's
+// token tiles of 16 / 32 rows in its few-tokens shape).
+TESSERA_GMMA_ATOMS(16)
+TESSERA_GMMA_ATOMS(32)
 TESSERA_GMMA_ATOMS(64)
 TESSERA_GMMA_ATOMS(80)
 TESSERA_GMMA_ATOMS(96)

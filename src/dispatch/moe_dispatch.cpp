@@ -1,0 +1,49 @@
+#include "dispatch/moe_dispatch.h"
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <atomic>
+
+#include "core/cuda_check.h"
+#include "dispatch/kernel_families.h"
+#include "dispatch/prefill_dispatch.h"  // sm_count
+#include "tessera_instantiations.h"
+
+namespace tessera::dispatch {
+namespace {
+// major * 10 + minor of the current device, read once per device (devices 0..63).
+int current_cc() {
+  static std::array<std::atomic<int>, 64> cached{};
+  int device = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  int cc = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
+  if (cc == 0) {
+    int major = 0, minor = 0;
+    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cc = major * 10 + minor;
+    if (device < 64) cached[device].store(cc, std::memory_order_relaxed);
+  }
+  return cc;
+}
+}  // namespace
+
+MoeGemmFamily choose_moe_gemm(int cc_major, int cc_minor) {
+  // The Hopper attention family's rule (machine code for sm_90a only) holds for this kernel too.
+  const KernelFamily* hopper = kernel_family(AttentionPath::kHopper);
+  return hopper != nullptr && hopper->runs_on(cc_major, cc_minor) ? MoeGemmFamily::kHopper : MoeGemmFamily::kPortable;
+}
+
+void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStream_t stream) {
+  const int cc = current_cc();
+  if (choose_moe_gemm(cc / 10, cc % 10) == MoeGemmFamily::kHopper) {
+#if TESSERA_INST_HOPPER
+    kernels::moe::launch_grouped_gemm_sm90(params, sm_count(), stream);
+    return;
+#endif
+  }
+  kernels::moe::launch_grouped_gemm_sm80(params, sm_count(), stream);
+}
+
+}  // namespace tessera::dispatch

@@ -1,0 +1,369 @@
+// Hopper (sm_90a) grouped GEMM of the MoE layer: out = a w[e]^T over every expert's row segment,
+// one persistent launch, TMA loads into an mbarrier ring, wgmma products, warp specialisation.
+//
+// A CTA is one producer warpgroup (one warp issues the TMA copies) and two consumer warpgroups;
+// a tile is kTokenRows rows of `a` against kWeightRows rows of the expert's weights, over K in
+// 64-wide steps (one 128-byte swizzle row). Two shapes (notes/moe.md):
+//   - many rows per expert (compute-bound): 128 token rows (64 per consumer) x 256 weight rows,
+//     wgmma A = the token tile, B = the weight tile, 4 stages of 48 KB;
+//   - few rows per expert (decode; weight-bandwidth-bound): the product is swapped, C^T = W a^T,
+//     wgmma A = 128 weight rows (64 per consumer), B = a token tile of 16 / 32 / 64 rows (wgmma's
+//     N), 8 stages, so each touched expert's weights stream once with little wasted work.
+// Both operands are K-major (a [rows, K], w [E, N, K]), the layout wgmma reads without transposes.
+// Segments come from expert_offsets on the device (grouped_tiles.cuh): any alignment; rows of a
+// tile beyond its expert's segment are computed from whatever rows follow and never stored.
+// The SwiGLU epilogue reads the gate and up rows of the same output columns in one tile (two TMA
+// boxes per step) so that silu(g) * u is formed in registers (swapped: through shared memory,
+// the gate rows being one consumer's and the up rows the other's).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+
+#include "core/cuda_check.h"
+#include "core/once_per_device.h"
+#include "kernels/common/tensor_map_encode.h"
+#include "kernels/moe/grouped_gemm_params.h"
+#include "kernels/common/pack_half2.cuh"
+#include "kernels/common/tma_sm90.cuh"
+#include "kernels/common/wgmma_sm90.cuh"
+#include "kernels/moe/grouped_tiles.cuh"
+#include "tessera/error.h"
+
+namespace tessera::kernels::moe {
+namespace {
+using namespace tessera::kernels::sm90;
+
+template <bool kSwapT, int kTokenRowsT, int kWeightRowsT, int kStagesT, GemmEpilogue kEpilogueT>
+struct GemmSm90Config {
+  static constexpr bool kSwap = kSwapT;             // wgmma's A operand is the weight tile
+  static constexpr int kTokenRows = kTokenRowsT;    // rows of `a` per tile
+  static constexpr int kWeightRows = kWeightRowsT;  // rows of w per tile (gate + up with SwiGLU)
+  static constexpr int kStages = kStagesT;
+  static constexpr bool kSwiGLU = kEpilogueT == GemmEpilogue::kSwiGLU;
+  static constexpr int kBlockK = 64;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kARows = kSwap ? kWeightRows : kTokenRows;  // 64 per consumer warpgroup
+  static constexpr int kAccCols = kSwap ? kTokenRows : kWeightRows;  // wgmma's N
+  static constexpr int kOutCols = kSwiGLU ? kWeightRows / 2 : kWeightRows;  // output columns per tile
+  static constexpr int kWeightBoxRows = kSwiGLU ? kWeightRows / 2 : kWeightRows;  // one box, or gate and up
+  static_assert(kARows == 64 * kConsumers, "each consumer warpgroup owns 64 rows of wgmma's A");
+  static_assert(kWeightBoxRows <= 256 && kTokenRows <= 256, "a TMA box is at most 256 rows");
+  static_assert(!kSwap || !kSwiGLU || kWeightBoxRows == 64, "swapped SwiGLU: one consumer's gate rows, the other's up rows");
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+};
+
+template <typename T, typename C>
+struct GemmSm90Smem {
+  using XTile = Sw128Tile<T, C::kTokenRows, C::kBlockK>;  // rows of a
+  using WTile = Sw128Tile<T, C::kWeightRows, C::kBlockK>;  // rows of w
+  using Tiles = GroupedTiles<C::kTokenRows, C::kThreads>;
+  static constexpr int kStageBytes = XTile::kBytes + WTile::kBytes;
+  // Swapped SwiGLU: the up consumer's accumulators for the gate consumer (padded rows: fewer bank
+  // conflicts).
+  static constexpr int kExchangeStride = C::kTokenRows + 4;
+  static constexpr int kExchangeBytes = C::kSwap && C::kSwiGLU ? 64 * kExchangeStride * 4 : 0;
+  static constexpr int kExchangeOffset = C::kStages * kStageBytes;
+  static constexpr int kBarrierOffset = kExchangeOffset + kExchangeBytes;
+  struct Barriers {
+    Mbarrier full[C::kStages], empty[C::kStages];
+  };
+  static constexpr int kTilesOffset = kBarrierOffset + int(sizeof(Barriers));
+  static constexpr int kScanOffset = kTilesOffset + Tiles::kSmemBytes;
+  static constexpr int kAlignment = 1024;  // of the swizzled tiles
+  static constexpr int kBytes = kScanOffset + int(sizeof(typename Tiles::Scan::TempStorage)) + kAlignment;
+
+  unsigned char* base;
+  __device__ explicit GemmSm90Smem(unsigned char* raw)
+      : base(reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + kAlignment - 1) &
+                                              ~uintptr_t(kAlignment - 1))) {}
+  __device__ XTile x(int stage) const { return XTile{base + stage * kStageBytes}; }
+  __device__ WTile w(int stage) const { return WTile{base + stage * kStageBytes + XTile::kBytes}; }
+  __device__ float* exchange() const { return reinterpret_cast<float*>(base + kExchangeOffset); }
+  __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
+  __device__ int* tiles() const { return reinterpret_cast<int*>(base + kTilesOffset); }
+  __device__ typename Tiles::Scan::TempStorage& scan() const {
+    return *reinterpret_cast<typename Tiles::Scan::TempStorage*>(base + kScanOffset);
+  }
+};
+
+struct GemmSm90Params {
+  GroupedGemmParams base;
+  CUtensorMap x_map;  // a: dims (K, rows), box 64 x kTokenRows
+  CUtensorMap w_map;  // w: dims (K, N, E), box 64 x kWeightBoxRows x 1
+  int n_tiles;        // column tiles per expert
+  int k_blocks;       // 64-wide K steps
+};
+
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
+// The producer warp: every tile's K steps, a's box and w's box (or gate and up boxes) per stage.
+template <typename T, typename C>
+__device__ void gemm_producer(const GemmSm90Params& p, const GemmSm90Smem<T, C>& smem,
+                              const typename GemmSm90Smem<T, C>::Tiles& tiles) {
+  using Smem = GemmSm90Smem<T, C>;
+  const int lane = threadIdx.x % 32;
+  auto& bar = smem.barriers();
+  RingPosition<C::kStages> ring;
+  if (lane == 0) {
+    prefetch_tensor_map(&p.x_map);
+    prefetch_tensor_map(&p.w_map);
+  }
+  const int half_n = p.base.n / 2;
+  for (int id = blockIdx.x; id < tiles.count(); id += gridDim.x) {
+    const GroupedTile t = tiles.at(id);
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      const int s = ring.stage;
+      bar.empty[s].wait(ring.phase ^ 1);
+      if (lane == 0) {
+        Mbarrier* full = &bar.full[s];
+        full->arrive_expect_tx(Smem::kStageBytes);
+        const int k0 = kb * C::kBlockK;
+        tma_load_2d(&p.x_map, full, smem.x(s).base, k0, t.row0);
+        tma_load_3d(&p.w_map, full, smem.w(s).base, k0, t.col0, t.expert);
+        if constexpr (C::kSwiGLU) {
+          tma_load_3d(&p.w_map, full, smem.w(s).base + C::kWeightBoxRows * 128, k0, half_n + t.col0, t.expert);
+        }
+      }
+      __syncwarp();
+      ring.advance();
+    }
+  }
+}
+
+// A consumer warpgroup: its 64 rows of wgmma's A against all of B, over the K steps, then the
+// epilogue from registers.
+template <typename T, typename C>
+struct GemmConsumer {
+  using Smem = GemmSm90Smem<T, C>;
+  const GemmSm90Params& p;
+  const Smem& smem;
+  const int consumer;  // 0 or 1
+  const int warp, lane;
+  RingPosition<C::kStages> ring;
+
+  __device__ GemmConsumer(const GemmSm90Params& p_, const Smem& smem_, int consumer_)
+      : p(p_), smem(smem_), consumer(consumer_), warp(threadIdx.x / 32 % 4), lane(threadIdx.x % 32) {}
+
+  __device__ void mainloop(AccTile<C::kAccCols>& acc) {
+    auto& bar = smem.barriers();
+    const int k_blocks = p.k_blocks;
+    int previous = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = ring.stage;
+      bar.full[s].wait(ring.phase);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::kBlockK / 16; ++k) {
+        uint64_t a_desc, b_desc;
+        if constexpr (C::kSwap) {
+          a_desc = smem.w(s).k_major(64 * consumer, k);
+          b_desc = smem.x(s).k_major(0, k);
+        } else {
+          a_desc = smem.x(s).k_major(64 * consumer, k);
+          b_desc = smem.w(s).k_major(0, k);
+        }
+        wgmma_ss<T, C::kAccCols, gmma::Major::K>(a_desc, b_desc, acc, kb > 0 || k > 0);
+      }
+      wgmma_commit();
+      // The previous step's products are done once at most this one is in flight: its stage
+      // goes back to the producer.
+      wgmma_wait<1>();
+      if (previous >= 0) bar.empty[previous].arrive_if(lane == 0);
+      previous = s;
+      ring.advance();
+    }
+    wgmma_wait<0>();
+    fence_registers(acc);
+    bar.empty[previous].arrive_if(lane == 0);
+  }
+
+  // Not swapped: this lane's rows are token rows, its columns weight rows.
+  __device__ void store(const AccTile<C::kAccCols>& acc, const GroupedTile& t) const {
+    T* out = static_cast<T*>(p.base.out);
+    const int g = lane / 4, q = lane % 4;
+    const int out_cols = C::kSwiGLU ? p.base.n / 2 : p.base.n;
+    constexpr int kBlocks = AccTile<C::kAccCols>::kBlocks;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = t.row0 + 64 * consumer + 16 * warp + g + 8 * r;
+      if (row >= t.row_end) continue;
+      T* out_row = out + int64_t(row) * p.base.out_stride;
+      if constexpr (C::kSwiGLU) {
+#pragma unroll
+        for (int j = 0; j < kBlocks / 2; ++j) {
+          const int col = t.col0 + 8 * j + 2 * q;
+          if (col >= out_cols) continue;
+          const float g0 = acc.v[j][2 * r], g1 = acc.v[j][2 * r + 1];
+          const float u0 = acc.v[j + kBlocks / 2][2 * r], u1 = acc.v[j + kBlocks / 2][2 * r + 1];
+          *reinterpret_cast<uint32_t*>(out_row + col) = pack_half2<T>(silu(g0) * u0, silu(g1) * u1);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kBlocks; ++j) {
+          const int col = t.col0 + 8 * j + 2 * q;
+          if (col >= out_cols) continue;
+          *reinterpret_cast<uint32_t*>(out_row + col) = pack_half2<T>(acc.v[j][2 * r], acc.v[j][2 * r + 1]);
+        }
+      }
+    }
+  }
+
+  // Swapped: this lane's rows are weight rows (output columns), its columns token rows.
+  __device__ void store_swapped(const AccTile<C::kAccCols>& acc, const GroupedTile& t) const {
+    T* out = static_cast<T*>(p.base.out);
+    const int g = lane / 4, q = lane % 4;
+    constexpr int kBlocks = AccTile<C::kAccCols>::kBlocks;
+    if constexpr (C::kSwiGLU) {
+      // Consumer 1 holds the up rows: they go through shared memory to consumer 0, which holds
+      // the gate rows of the same columns.
+      float* exchange = smem.exchange();
+      constexpr int kStride = Smem::kExchangeStride;
+      if (consumer == 1) {
+#pragma unroll
+        for (int j = 0; j < kBlocks; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) exchange[(16 * warp + g + 8 * (e / 2)) * kStride + 8 * j + 2 * q + (e & 1)] = acc.v[j][e];
+        named_barrier_sync(1, 256);
+        named_barrier_sync(2, 256);  // consumer 0 has read them
+        return;
+      }
+      named_barrier_sync(1, 256);
+      const int out_cols = p.base.n / 2;
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int local_col = 16 * warp + g + 8 * (e / 2);
+          const int tok = 8 * j + 2 * q + (e & 1);
+          const float u = exchange[local_col * kStride + tok];
+          const int row = t.row0 + tok, col = t.col0 + local_col;
+          if (row < t.row_end && col < out_cols) out[int64_t(row) * p.base.out_stride + col] = from_float<T>(silu(acc.v[j][e]) * u);
+        }
+      }
+      named_barrier_sync(2, 256);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlocks; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = t.col0 + 64 * consumer + 16 * warp + g + 8 * (e / 2);
+          const int row = t.row0 + 8 * j + 2 * q + (e & 1);
+          if (row < t.row_end && col < p.base.n) out[int64_t(row) * p.base.out_stride + col] = from_float<T>(acc.v[j][e]);
+        }
+      }
+    }
+  }
+
+  __device__ static float silu(float x) { return x / (1.f + __expf(-x)); }
+  template <typename U>
+  __device__ static U from_float(float x);
+};
+template <typename T, typename C>
+template <typename U>
+__device__ U GemmConsumer<T, C>::from_float(float x) {
+  if constexpr (std::is_same<U, __nv_bfloat16>::value) return __float2bfloat16(x);
+  else return __float2half(x);
+}
+
+template <typename T, typename C>
+__global__ void __launch_bounds__(C::kThreads, 1) grouped_gemm_sm90_kernel(const __grid_constant__ GemmSm90Params p) {
+  extern __shared__ unsigned char raw_smem[];
+  using Smem = GemmSm90Smem<T, C>;
+  const Smem smem(raw_smem);
+  if (threadIdx.x == 0) {
+    auto& bar = smem.barriers();
+    for (int s = 0; s < C::kStages; ++s) {
+      bar.full[s].init(1);
+      bar.empty[s].init(4 * C::kConsumers);  // one arrival per consumer warp
+    }
+    Mbarrier::fence_init();
+  }
+  typename Smem::Tiles tiles(smem.tiles(), p.base.num_experts, p.n_tiles, C::kOutCols);
+  tiles.build(p.base.offsets, p.base.rows, smem.scan());  // ends with __syncthreads
+
+  const int warpgroup = warp_uniform(int(threadIdx.x / 128));
+  if (warpgroup == 0) {
+    warpgroup_registers_decrease<C::kProducerRegisters>();
+    if (threadIdx.x < 32) gemm_producer<T, C>(p, smem, tiles);
+  } else {
+    warpgroup_registers_increase<C::kConsumerRegisters>();
+    GemmConsumer<T, C> consumer(p, smem, warpgroup - 1);
+    const int count = warp_uniform(tiles.count());
+    for (int id = blockIdx.x; id < count; id += gridDim.x) {
+      GroupedTile t = tiles.at(id);
+      t.expert = warp_uniform(t.expert);
+      t.row0 = warp_uniform(t.row0);
+      t.row_end = warp_uniform(t.row_end);
+      t.col0 = warp_uniform(t.col0);
+      AccTile<C::kAccCols> acc;
+      consumer.mainloop(acc);
+      if constexpr (C::kSwap) consumer.store_swapped(acc, t);
+      else consumer.store(acc, t);
+    }
+  }
+}
+
+template <typename T, typename C>
+void launch_config(const GroupedGemmParams& base, int num_sms, cudaStream_t stream) {
+  using Smem = GemmSm90Smem<T, C>;
+  GemmSm90Params p;
+  p.base = base;
+  p.k_blocks = (base.k + C::kBlockK - 1) / C::kBlockK;
+  p.n_tiles = ((C::kSwiGLU ? base.n / 2 : base.n) + C::kOutCols - 1) / C::kOutCols;
+  const DType dtype = base.dtype;
+  {
+    const uint64_t dims[2] = {uint64_t(base.k), uint64_t(std::max<int64_t>(base.rows, 1))};
+    const uint64_t strides[1] = {uint64_t(base.rows <= 1 ? base.k : base.a_stride) * 2};
+    const uint32_t box[2] = {C::kBlockK, C::kTokenRows};
+    p.x_map = sm90::encode_tensor_map_16bit("a", "row stride " + std::to_string(base.a_stride) + " elements", dtype, 2,
+                                            base.a, dims, strides, box);
+  }
+  {
+    const uint64_t dims[3] = {uint64_t(base.k), uint64_t(base.n), uint64_t(base.num_experts)};
+    const int64_t expert_stride = base.num_experts == 1 ? int64_t(base.n) * base.w_stride_row : base.w_stride_expert;
+    const uint64_t strides[2] = {uint64_t(base.w_stride_row) * 2, uint64_t(expert_stride) * 2};
+    const uint32_t box[3] = {C::kBlockK, C::kWeightBoxRows, 1};
+    p.w_map = sm90::encode_tensor_map_16bit(
+        "weights",
+        "row stride " + std::to_string(base.w_stride_row) + ", expert stride " + std::to_string(base.w_stride_expert) +
+            " elements",
+        dtype, 3, base.w, dims, strides, box);
+  }
+  auto kernel = grouped_gemm_sm90_kernel<T, C>;
+  static tessera::detail::OncePerDevice smem_limit_raised;
+  smem_limit_raised([&] {
+    TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kBytes));
+  });
+  kernel<<<num_sms, C::kThreads, Smem::kBytes, stream>>>(p);
+  TESSERA_CUDA_CHECK(cudaGetLastError());
+}
+
+// The tile shape by the expected rows per expert (measured: notes/moe.md).
+template <typename T, GemmEpilogue kEpilogue>
+void launch_typed(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
+  const int64_t rows = p.expected_rows_per_expert;
+  if (rows <= 16) launch_config<T, GemmSm90Config<true, 16, 128, 8, kEpilogue>>(p, num_sms, stream);
+  else if (rows <= 32) launch_config<T, GemmSm90Config<true, 32, 128, 8, kEpilogue>>(p, num_sms, stream);
+  else if (rows <= 64) launch_config<T, GemmSm90Config<true, 64, 128, 8, kEpilogue>>(p, num_sms, stream);
+  else launch_config<T, GemmSm90Config<false, 128, 256, 4, kEpilogue>>(p, num_sms, stream);
+}
+
+}  // namespace
+
+void launch_grouped_gemm_sm90(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
+  const bool swiglu = p.epilogue == GemmEpilogue::kSwiGLU;
+  if (p.dtype == DType::kBF16) {
+    if (swiglu) launch_typed<__nv_bfloat16, GemmEpilogue::kSwiGLU>(p, num_sms, stream);
+    else launch_typed<__nv_bfloat16, GemmEpilogue::kStore>(p, num_sms, stream);
+  } else {
+    if (swiglu) launch_typed<__half, GemmEpilogue::kSwiGLU>(p, num_sms, stream);
+    else launch_typed<__half, GemmEpilogue::kStore>(p, num_sms, stream);
+  }
+}
+
+}  // namespace tessera::kernels::moe
