@@ -174,6 +174,20 @@ inline void expect_within_rule(const std::vector<float>& got, const std::vector<
                             << "), allowed 2 x " << naive_max_err << " + " << abs_floor;
 }
 
+// Every element written, finite and of magnitude at most `bound`.
+inline void expect_bounded(const std::vector<float>& got, double bound, const std::string& what) {
+  std::size_t unwritten = 0, bad = 0, worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (is_poison(got[i])) { ++unwritten; continue; }
+    if (!std::isfinite(got[i]) || std::fabs(got[i]) > bound) {
+      if (bad++ == 0) worst = i;
+    }
+  }
+  EXPECT_EQ(unwritten, 0u) << what << ": elements never written (still poisoned)";
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " elements not finite or beyond " << bound << ", first at " << worst
+                     << " (" << (got.empty() ? 0.f : got[worst]) << ")";
+}
+
 class Stream {  // a non-blocking stream, destroyed on scope exit
  public:
   Stream() {

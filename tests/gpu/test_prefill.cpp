@@ -26,6 +26,11 @@ struct PrefillCase {
   AttentionPath path = AttentionPath::kAuto;
   float q_range = 2.f, kv_range = 1.f;  // inputs uniform in [-range, range]
   int64_t nan_key = -1;  // >= 0: this row of k (every head) holds NaN
+  // Logits beyond fp32's resolution (|q|, |k| ~ 1e4: logits ~ 1e9, an fp32 ulp ~ 64): no kernel
+  // in fp32 can weigh keys whose logits differ by less than that, so instead of the tolerance
+  // rule every output must be finite and inside the hull of V (|o| <= max |v|, one 16-bit
+  // rounding over), and the LSE within a relative 1e-6 of the reference.
+  bool beyond_fp32_resolution = false;
   // Hopper family: each of these schedules in turn (empty: the dispatcher's).
   std::vector<kernels::sm90::PrefillSm90Schedule> schedules;
 };
@@ -195,8 +200,15 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     const auto lse_again = lse.download<float>(size_t(total_q * c.num_qo_heads));
     EXPECT_EQ(std::memcmp(lse_again.data(), lse_got.data(), lse_got.size() * 4), 0) << "second run differs (lse)";
 
-    expect_within_rule(o_got, o_ref, naive_err, 1e-4, "o");
-    expect_within_rule(lse_got, lse_ref, 0.0, 2e-4, "lse");
+    if (c.beyond_fp32_resolution) {
+      expect_bounded(o_got, c.kv_range * (1.0 + 1.0 / 128), "o");
+      double lse_scale = 0;
+      for (double x : lse_ref) lse_scale = std::isfinite(x) ? std::max(lse_scale, std::fabs(x)) : lse_scale;
+      expect_within_rule(lse_got, lse_ref, 0.0, 1e-6 * lse_scale, "lse");
+    } else {
+      expect_within_rule(o_got, o_ref, naive_err, 1e-4, "o");
+      expect_within_rule(lse_got, lse_ref, 0.0, 2e-4, "lse");
+    }
   }
   dispatch::force_prefill_sm90_schedule(nullptr);
 }
@@ -221,7 +233,9 @@ TEST(GpuPrefill, NanIsolationAndExtremeMagnitudes) {
   c.nan_key = -1;
   c.q_range = 1e4f;
   c.kv_range = 1e4f;
+  c.beyond_fp32_resolution = true;
   run_case(c, 701);
+  c.beyond_fp32_resolution = false;
   c.causal = false;
   c.soft_cap = 30.f;
   c.q_range = 1e3f;
