@@ -35,9 +35,28 @@ MoeGemmFamily choose_moe_gemm(int cc_major, int cc_minor) {
   return hopper != nullptr && hopper->runs_on(cc_major, cc_minor) ? MoeGemmFamily::kHopper : MoeGemmFamily::kPortable;
 }
 
+namespace {
+// A test's forced family: -1 none, else a MoeGemmFamily.
+std::atomic<int> g_forced_family{-1};
+}  // namespace
+
+void force_moe_gemm_family(const MoeGemmFamily* family) { g_forced_family.store(family ? int(*family) : -1); }
+
+std::vector<MoeGemmFamily> moe_gemm_families_on_this_gpu() {
+  const int cc = current_cc();
+  if (choose_moe_gemm(cc / 10, cc % 10) == MoeGemmFamily::kHopper) return {MoeGemmFamily::kHopper, MoeGemmFamily::kPortable};
+  return {MoeGemmFamily::kPortable};
+}
+
+const char* moe_gemm_family_name(MoeGemmFamily family) {
+  return family == MoeGemmFamily::kHopper ? "hopper" : "portable";
+}
+
 void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStream_t stream) {
   const int cc = current_cc();
-  if (choose_moe_gemm(cc / 10, cc % 10) == MoeGemmFamily::kHopper) {
+  const int forced = g_forced_family.load();
+  const MoeGemmFamily family = forced >= 0 ? MoeGemmFamily(forced) : choose_moe_gemm(cc / 10, cc % 10);
+  if (family == MoeGemmFamily::kHopper) {
 #if TESSERA_INST_HOPPER
     kernels::moe::launch_grouped_gemm_sm90(params, sm_count(), stream);
     return;

@@ -2,6 +2,8 @@
 // built, the portable mma.sync kernel on every other GPU from sm_80 on.
 #pragma once
 
+#include <vector>
+
 #include "kernels/moe/grouped_gemm_params.h"
 
 namespace tessera::dispatch {
@@ -11,7 +13,15 @@ enum class MoeGemmFamily { kPortable, kHopper };
 // Pure decision (no GPU needed).
 MoeGemmFamily choose_moe_gemm(int cc_major, int cc_minor);
 
-// Runs the grouped GEMM on the current GPU with the family choose_moe_gemm names.
+// The families that run on the current GPU: {kHopper, kPortable} on sm_90 where the Hopper kernel
+// is built, {kPortable} elsewhere (tests run each; the first is the default).
+std::vector<MoeGemmFamily> moe_gemm_families_on_this_gpu();
+const char* moe_gemm_family_name(MoeGemmFamily family);
+
+// Runs the grouped GEMM on the current GPU with the family choose_moe_gemm names, or the one a
+// test forced (force_moe_gemm_family; nullptr lifts it). Forcing a family the GPU cannot run is
+// the caller's error: tests take it from moe_gemm_families_on_this_gpu().
 void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStream_t stream);
+void force_moe_gemm_family(const MoeGemmFamily* family);
 
 }  // namespace tessera::dispatch

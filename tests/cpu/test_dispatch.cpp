@@ -148,3 +148,21 @@ TEST(PrefillDispatch, HopperSchedulePolicy) {
 
 }  // namespace
 }  // namespace tessera
+
+#include "dispatch/moe_dispatch.h"
+
+namespace tessera {
+namespace {
+
+// The grouped GEMM runs its Hopper kernel exactly where the Hopper attention family runs (sm_90
+// with the family built), the portable one on every other GPU from sm_80 on.
+TEST(MoeDispatch, HopperKernelOnSm90WhenBuiltElsePortable) {
+  const dispatch::KernelFamily* hopper = dispatch::kernel_family(AttentionPath::kHopper);
+  const bool built = hopper != nullptr && hopper->built;
+  EXPECT_EQ(dispatch::choose_moe_gemm(9, 0), built ? dispatch::MoeGemmFamily::kHopper : dispatch::MoeGemmFamily::kPortable);
+  for (auto [major, minor] : {std::pair{8, 0}, {8, 6}, {8, 9}, {10, 0}, {12, 0}})
+    EXPECT_EQ(dispatch::choose_moe_gemm(major, minor), dispatch::MoeGemmFamily::kPortable) << major << "." << minor;
+}
+
+}  // namespace
+}  // namespace tessera

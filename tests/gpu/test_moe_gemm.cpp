@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch/moe_dispatch.h"
 #include "gpu/gpu_test_util.h"
 #include "reference/moe_ref.h"
 #include "tessera/moe.h"
@@ -394,10 +395,22 @@ class GemmProblem {
   std::unique_ptr<DeviceBuffer> d_a_, d_w_, d_off_, d_out_;
 };
 
+// Runs `body` once per grouped-GEMM family this GPU runs (Hopper and portable on an H200), each
+// forced in turn.
+template <typename Body>
+void for_each_gemm_family(Body&& body) {
+  for (dispatch::MoeGemmFamily family : dispatch::moe_gemm_families_on_this_gpu()) {
+    SCOPED_TRACE(std::string("grouped GEMM family ") + dispatch::moe_gemm_family_name(family));
+    dispatch::force_moe_gemm_family(&family);
+    body();
+  }
+  dispatch::force_moe_gemm_family(nullptr);
+}
+
 void run_gemm_case(const GemmCase& c, DType dtype, uint32_t seed) {
   SCOPED_TRACE(describe(c, dtype));
   GemmProblem p(c, dtype, seed);
-  p.check(p.run(nullptr));
+  for_each_gemm_family([&] { p.check(p.run(nullptr)); });
 }
 
 void run_both_dtypes(const GemmCase& c, uint32_t& seed) {
@@ -653,33 +666,35 @@ TEST(GpuMoeGemm, GraphReplayEqualsEager) {
   const GemmCase cases[] = {gemm_case(64, 200, 272, Layout::kPermuteAlign1, 6, MoeActivation::kSwiGLU),
                             gemm_case(128, 1032, 136, Layout::kDecode, 2, MoeActivation::kNone),
                             sampled(gemm_case(8, 1032, 1416, Layout::kPermuteAlign128, 64, MoeActivation::kNone), 32)};
-  for (const GemmCase& c : cases) {
-    for (DType dtype : {DType::kBF16, DType::kFP16}) {
-      SCOPED_TRACE(describe(c, dtype));
-      GemmProblem p(c, dtype, seed++);
-      Stream stream;
-      const auto eager_first = p.run(stream);
-      p.check(eager_first);
-      cudaGraph_t graph;
-      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      moe_grouped_gemm(p.args(), stream);
-      CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec;
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      p.new_a();
-      const auto eager_second = p.run(stream);
-      p.poison_out();
-      CUDA_OK(cudaGraphLaunch(exec, stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
-      EXPECT_TRUE(p.download() == eager_second) << "graph replay differs from the eager run on the new a";
-      p.poison_out();
-      CUDA_OK(cudaGraphLaunch(exec, stream));  // a second replay: the same again
-      CUDA_OK(cudaStreamSynchronize(stream));
-      EXPECT_TRUE(p.download() == eager_second) << "second graph replay differs";
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+  for_each_gemm_family([&] {
+    for (const GemmCase& c : cases) {
+      for (DType dtype : {DType::kBF16, DType::kFP16}) {
+        SCOPED_TRACE(describe(c, dtype));
+        GemmProblem p(c, dtype, seed++);
+        Stream stream;
+        const auto eager_first = p.run(stream);
+        p.check(eager_first);
+        cudaGraph_t graph;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        moe_grouped_gemm(p.args(), stream);
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        cudaGraphExec_t exec;
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        p.new_a();
+        const auto eager_second = p.run(stream);
+        p.poison_out();
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(p.download() == eager_second) << "graph replay differs from the eager run on the new a";
+        p.poison_out();
+        CUDA_OK(cudaGraphLaunch(exec, stream));  // a second replay: the same again
+        CUDA_OK(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(p.download() == eager_second) << "second graph replay differs";
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
     }
-  }
+  });
 }
 
 // The same inputs give bitwise the same outputs, in every regime (decode-sized segments, where a
@@ -691,15 +706,17 @@ TEST(GpuMoeGemm, RepeatRunsAreBitwiseEqual) {
                             gemm_case(64, 4096, 72, Layout::kDecode, 1, MoeActivation::kNone),
                             gemm_case(8, 2048, 1416, Layout::kSkewed, 128, MoeActivation::kNone),
                             gemm_case(8, 1032, 2048, Layout::kUniform, 512, MoeActivation::kSwiGLU)};
-  for (const GemmCase& c : cases) {
-    for (DType dtype : {DType::kBF16, DType::kFP16}) {
-      if (dtype == DType::kFP16 && c.experts == 8) continue;  // the large ones once (host time)
-      SCOPED_TRACE(describe(c, dtype));
-      GemmProblem p(c, dtype, seed++);
-      const auto first = p.run(nullptr);
-      for (int again = 0; again < 2; ++again) EXPECT_TRUE(p.run(nullptr) == first) << "run " << again + 2 << " differs";
+  for_each_gemm_family([&] {
+    for (const GemmCase& c : cases) {
+      for (DType dtype : {DType::kBF16, DType::kFP16}) {
+        if (dtype == DType::kFP16 && c.experts == 8) continue;  // the large ones once (host time)
+        SCOPED_TRACE(describe(c, dtype));
+        GemmProblem p(c, dtype, seed++);
+        const auto first = p.run(nullptr);
+        for (int again = 0; again < 2; ++again) EXPECT_TRUE(p.run(nullptr) == first) << "run " << again + 2 << " differs";
+      }
     }
-  }
+  });
 }
 
 // A few rules with real device buffers (the host-side table in tests/cpu/test_bad_input.cpp covers
@@ -1160,7 +1177,7 @@ class FusedProblem {
 void run_fused(const FusedCase& c, uint32_t seed) {
   SCOPED_TRACE(describe(c));
   FusedProblem p(c, seed);
-  p.check(p.run(nullptr));
+  for_each_gemm_family([&] { p.check(p.run(nullptr)); });
 }
 
 // Mixtral-style: softmax top-2 of 8 experts from router_logits, renormalised.
@@ -1275,37 +1292,39 @@ TEST(GpuFusedMoe, DroppedCopiesContributeNothing) {
 TEST(GpuFusedMoe, DeterministicAndGraphReplay) {
   TESSERA_REQUIRE_GPU();
   uint32_t seed = 15000;
-  for (bool logits : {true, false}) {
-    FusedCase c;
-    c.tokens = 127;
-    c.hidden = 136;
-    c.inter = 72;
-    c.experts = logits ? 8 : 64;
-    c.top_k = logits ? 2 : 8;
-    c.logits = logits;
-    c.receive_routing = logits;
-    c.shared_inter = logits ? 72 : 0;
-    SCOPED_TRACE(describe(c));
-    FusedProblem p(c, seed++);
-    Stream stream;
-    const auto first = p.run(stream);
-    p.check(first);
-    EXPECT_TRUE(p.run(stream) == first) << "a second run differs";
-    cudaGraph_t graph;
-    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    fused_moe(p.args(), stream);
-    CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    p.new_x();
-    const auto eager = p.run(stream);
-    p.poison();
-    CUDA_OK(cudaGraphLaunch(exec, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    EXPECT_TRUE(p.download() == eager) << "graph replay differs from the eager run on the new x";
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-  }
+  for_each_gemm_family([&] {
+    for (bool logits : {true, false}) {
+      FusedCase c;
+      c.tokens = 127;
+      c.hidden = 136;
+      c.inter = 72;
+      c.experts = logits ? 8 : 64;
+      c.top_k = logits ? 2 : 8;
+      c.logits = logits;
+      c.receive_routing = logits;
+      c.shared_inter = logits ? 72 : 0;
+      SCOPED_TRACE(describe(c));
+      FusedProblem p(c, seed++);
+      Stream stream;
+      const auto first = p.run(stream);
+      p.check(first);
+      EXPECT_TRUE(p.run(stream) == first) << "a second run differs";
+      cudaGraph_t graph;
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      fused_moe(p.args(), stream);
+      CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      p.new_x();
+      const auto eager = p.run(stream);
+      p.poison();
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(p.download() == eager) << "graph replay differs from the eager run on the new x";
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+  });
 }
 
 TEST(GpuFusedMoe, ArgumentsAreValidated) {
