@@ -136,7 +136,7 @@ struct FusedMoeArgs {
   TensorView shared_w1;       // optional [2 * shared_inter, hidden]
   TensorView shared_w2;       // optional [hidden, shared_inter] (with shared_w1)
   TensorView out;             // [tokens, hidden], x's dtype
-  void* workspace = nullptr;  // fused_moe_workspace_bytes(...) bytes, 256-byte aligned
+  void* workspace = nullptr;  // fused_moe_workspace_bytes(...) bytes, 16-byte aligned
   std::size_t workspace_size = 0;
 };
 std::size_t fused_moe_workspace_bytes(int64_t tokens, int64_t hidden, int64_t inter, int num_experts, int top_k,

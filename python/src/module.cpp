@@ -269,7 +269,7 @@ void bind_moe(nb::module_& m) {
       "shared_w1"_a.none(), "shared_w2"_a.none(), "out"_a, "workspace"_a, "stream"_a,
       "tessera::fused_moe (see tessera.fused_moe for the Python API).");
   m.def("fused_moe_workspace_bytes", &fused_moe_workspace_bytes, "tokens"_a, "hidden"_a, "inter"_a, "num_experts"_a,
-        "top_k"_a, "shared_inter"_a = 0, "Bytes of device workspace fused_moe needs (256-byte aligned).");
+        "top_k"_a, "shared_inter"_a = 0, "Bytes of device workspace fused_moe needs (16-byte aligned).");
 }
 
 void bind_device(nb::module_& m) {

@@ -169,7 +169,7 @@ def fused_moe(x: Any, w1: Any, w2: Any, router_logits: Optional[Any] = None, *, 
     when given, receive it) or, without logits, from the given topk_ids / topk_weights. Shared
     experts: shared_w1 [2 * shared_inter, hidden] and shared_w2 [hidden, shared_inter], a dense
     SwiGLU MLP over every token added to the result. The workspace (a 1-D device buffer of
-    fused_moe_workspace_bytes(...) bytes, 256-byte aligned) is allocated when not given.
+    fused_moe_workspace_bytes(...) bytes, 16-byte aligned) is allocated when not given.
     Raises tessera.Error for invalid arguments.
     """
     entry = "fused_moe"

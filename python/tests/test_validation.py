@@ -431,6 +431,62 @@ def test_moe_permute_rules(dev):
         assert np.all(dev.to_numpy(outs["inverse"]) == -7) and np.all(dev.to_numpy(outs["permuted_token"]) == -7)
 
 
+def test_moe_grouped_gemm_rules(dev):
+    a = dev.randn((10, 72), "bf16", seed=6)
+    w = dev.randn((4, 32, 72), "bf16", seed=7)
+    offsets = dev.indices(np.array([0, 3, 3, 8, 10], np.int32))
+    out = dev.full((10, 32), POISON, "bf16")
+    expect_gpu_stage(lambda: tessera.moe_grouped_gemm(a, w, offsets, out=out))
+    expect_gpu_stage(lambda: tessera.moe_grouped_gemm(a, w, offsets, activation="swiglu",
+                                                      out=dev.full((10, 16), POISON, "bf16")))
+    expect_error(lambda: tessera.moe_grouped_gemm(a, w, offsets, activation="swiglu", out=out),
+                 "moe_grouped_gemm", "out", "N / 2 (SwiGLU)")
+    expect_error(lambda: tessera.moe_grouped_gemm(a, w, offsets, activation="gelu"), "moe_grouped_gemm", "activation",
+                 "'swiglu'")
+    expect_error(lambda: tessera.moe_grouped_gemm(a, dev.randn((4, 32, 72), "fp16", seed=8), offsets, out=out),
+                 "moe_grouped_gemm", "weights", "dtype")
+    expect_error(lambda: tessera.moe_grouped_gemm(a, w, dev.indices(np.array([0, 3, 10], np.int32)), out=out),
+                 "moe_grouped_gemm", "expert_offsets", "num_experts + 1")
+    expect_error(lambda: tessera.moe_grouped_gemm(dev.randn((10, 68), "bf16", seed=9), dev.randn((4, 32, 68), "bf16"),
+                                                  offsets, out=out),
+                 "moe_grouped_gemm", "a", "multiple of 8")
+    if not HAVE_GPU:
+        assert np.all(dev.to_numpy(out) == POISON)
+
+
+def test_moe_combine_and_fused_moe_rules(dev):
+    y = dev.randn((12, 64), "bf16", seed=10)
+    inverse = dev.indices(np.arange(12, dtype=np.int32).reshape(6, 2))
+    weights = dev.full((6, 2), 0.5, "fp32")
+    out = dev.full((6, 64), POISON, "bf16")
+    expect_gpu_stage(lambda: tessera.moe_combine(y, inverse, weights, out=out))
+    expect_error(lambda: tessera.moe_combine(y, inverse, dev.full((6, 3), 0.5, "fp32"), out=out),
+                 "moe_combine", "topk_weights", "")
+    expect_error(lambda: tessera.moe_combine(y, inverse, weights, shared_out=dev.full((6, 56), 0, "bf16"), out=out),
+                 "moe_combine", "shared_out", "shape")
+    x = dev.randn((6, 64), "bf16", seed=11)
+    w1, w2 = dev.randn((4, 64, 64), "bf16", seed=12), dev.randn((4, 64, 32), "bf16", seed=13)
+    logits = dev.randn((6, 4), "fp32", seed=14)
+    fused_out = dev.full((6, 64), POISON, "bf16")
+    ws = dev.full(((tessera.fused_moe_workspace_bytes(6, 64, 32, 4, 2) + 3) // 4,), 0, "int32")
+    expect_gpu_stage(lambda: tessera.fused_moe(x, w1, w2, logits, top_k=2, out=fused_out, workspace=ws))
+    # Without a workspace the wrapper sizes one first: the sizing function reports the rule.
+    expect_error(lambda: tessera.fused_moe(x, w1, w2, logits, top_k=5, out=fused_out), "fused_moe_workspace_bytes",
+                 "top_k", "")
+    expect_error(lambda: tessera.fused_moe(x, w1, dev.randn((4, 64, 40), "bf16"), logits, top_k=2, out=fused_out,
+                                           workspace=ws),
+                 "fused_moe", "w2", "inter")
+    expect_error(lambda: tessera.fused_moe(x, w1, w2, dev.randn((6, 5), "fp32"), top_k=2, out=fused_out, workspace=ws),
+                 "fused_moe", "router_logits", "num_experts")
+    expect_error(lambda: tessera.fused_moe(x, w1, w2, top_k=2, out=fused_out, workspace=ws), "fused_moe",
+                 "router_logits", "topk_ids and topk_weights")
+    expect_error(lambda: tessera.fused_moe(x, w1, w2, logits, top_k=2, out=fused_out,
+                                           workspace=dev.full((4,), 0, "int32")),
+                 "fused_moe", "workspace_size", "fused_moe_workspace_bytes")
+    if not HAVE_GPU:
+        assert np.all(dev.to_numpy(out) == POISON) and np.all(dev.to_numpy(fused_out) == POISON)
+
+
 @pytest.mark.skipif(not HAVE_GPU, reason="runs the MoE kernels: needs a GPU")
 def test_moe_route_and_permute_match_numpy(dev):
     rng = np.random.default_rng(11)

@@ -338,10 +338,14 @@ void moe_combine(const MoeCombineArgs& a, cudaStream_t stream) {
 
 namespace {
 
+// Sub-buffers start at multiples of 256 bytes from the workspace's base; the base itself needs the
+// 16 bytes of the kernels' vector loads and TMA boxes.
 constexpr std::size_t kWorkspaceAlign = 256;
+constexpr std::size_t kWorkspaceBaseAlign = 16;
 std::size_t round_up(std::size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
-// fused_moe's intermediates, carved from the workspace in this order (each 256-byte aligned).
+// fused_moe's intermediates, carved from the workspace in this order (each at a multiple of 256
+// bytes from its base).
 struct FusedMoeLayout {
   std::size_t ids = 0, weights = 0, offsets = 0, permuted_token = 0, inverse = 0, permute_ws = 0, permuted_x = 0,
               act = 0, y = 0, shared_act = 0, shared_out = 0, total = 0;
@@ -473,8 +477,8 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
   TESSERA_REQUIRE(check, a.workspace_size >= l.total, "workspace_size",
                   std::to_string(a.workspace_size) + " bytes is less than the " + std::to_string(l.total) +
                       " fused_moe_workspace_bytes gives");
-  TESSERA_REQUIRE(check, reinterpret_cast<uintptr_t>(a.workspace) % kWorkspaceAlign == 0, "workspace",
-                  "must be 256-byte aligned");
+  TESSERA_REQUIRE(check, reinterpret_cast<uintptr_t>(a.workspace) % kWorkspaceBaseAlign == 0, "workspace",
+                  "must be 16-byte aligned");
   // Every output apart from every input and from the workspace.
   const TensorView ws_view = TensorView::contiguous(a.workspace, DType::kBF16, {int64_t(l.total / 2)});
   std::vector<std::pair<const TensorView*, const char*>> inputs = {{&a.x, "x"}, {&a.w1, "w1"}, {&a.w2, "w2"}};

@@ -1124,7 +1124,7 @@ TEST(BadInputFusedMoe, ShapesRoutingAndWorkspace) {
   fails([](auto& a) { a.out = TensorView::contiguous(fake(64), DType::kBF16, {16, 64}); }, {"out", "x"});  // over x
   fails([](auto& a) { a.workspace = nullptr; }, {"workspace"});
   fails([](auto& a) { a.workspace_size -= 1; }, {"workspace_size"});
-  fails([](auto& a) { a.workspace = fake((10 << 24) + 16); }, {"workspace"});  // 16- but not 256-byte aligned
+  fails([](auto& a) { a.workspace = fake((10 << 24) + 8); }, {"workspace"});  // 8- but not 16-byte aligned
   fails([](auto& a) { a.workspace = fake(9 << 24); }, {"workspace", "out"});     // over out
   expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, 64, 32, 8, 0); }, {"top_k"});
   expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, 64, 32, 0, 2); }, {"num_experts"});

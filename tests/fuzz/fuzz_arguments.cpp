@@ -146,6 +146,96 @@ void call_append(fuzz::FuzzInput& in) {
                   view(in, 7, cache.k_pages.dtype, {nnz, kv_heads, d}), nullptr, append.data());
 }
 
+void call_moe(fuzz::FuzzInput& in) {
+  const int64_t tokens = in.range(0, 40), experts = in.pick((const int64_t[]){8, 1, 64, 1024, 1025, 0});
+  const int64_t top_k = in.range(0, 9), hidden = in.pick((const int64_t[]){64, 8, 72, 12, 0});
+  const int64_t inter = in.pick((const int64_t[]){32, 8, 36, 0});
+  switch (in.range(0, 5)) {
+    case 0: {
+      MoeRouteArgs a;
+      a.logits = view(in, 0, DType::kFP32, {tokens, experts});
+      a.top_k = static_cast<int>(top_k);
+      a.num_groups = static_cast<int>(in.pick((const int64_t[]){1, 4, 3, 0, 33}));
+      a.topk_groups = static_cast<int>(in.range(-1, 5));
+      a.score = in.range(0, 15) == 0 ? static_cast<MoeScore>(in.range(2, 9)) : MoeScore::kSoftmax;
+      if (in.flag()) a.selection_bias = view(in, 1, DType::kFP32, {experts});
+      a.topk_ids = view(in, 2, DType::kInt32, {tokens, top_k});
+      a.topk_weights = view(in, 3, DType::kFP32, {tokens, top_k});
+      moe_route(a, nullptr);
+      break;
+    }
+    case 1: {
+      MoePermuteArgs a;
+      a.topk_ids = view(in, 0, DType::kInt32, {tokens, top_k});
+      a.num_experts = static_cast<int>(experts);
+      a.align = static_cast<int>(in.pick((const int64_t[]){1, 128, 0, 1025}));
+      const int64_t cap = tokens * std::max<int64_t>(top_k, 0) + std::max<int64_t>(experts, 0) * std::max(a.align - 1, 0);
+      a.expert_offsets = view(in, 1, DType::kInt32, {experts + 1});
+      a.permuted_token = view(in, 2, DType::kInt32, {cap});
+      a.inverse = view(in, 3, DType::kInt32, {tokens, top_k});
+      if (in.flag()) {
+        a.x = view(in, 4, DType::kBF16, {tokens, hidden});
+        a.permuted_x = view(in, 5, a.x.dtype, {cap, hidden});
+      }
+      a.workspace = reinterpret_cast<void*>(kBase + (uintptr_t(6) << 30) + (in.range(0, 7) == 0 ? 2 : 0));
+      a.workspace_size = static_cast<std::size_t>(in.range(0, 1 << 20));
+      moe_permute(a, nullptr);
+      break;
+    }
+    case 2: {
+      MoeGroupedGemmArgs a;
+      const int64_t rows = tokens * 4, n = in.flag() ? inter * 2 : hidden;
+      a.a = view(in, 0, DType::kBF16, {rows, hidden});
+      a.weights = view(in, 1, a.a.dtype, {experts, n, hidden});
+      a.expert_offsets = view(in, 2, DType::kInt32, {experts + 1});
+      a.activation = in.range(0, 15) == 0 ? static_cast<MoeActivation>(in.range(2, 9))
+                                          : in.flag() ? MoeActivation::kSwiGLU : MoeActivation::kNone;
+      a.out = view(in, 3, a.a.dtype, {rows, a.activation == MoeActivation::kSwiGLU ? n / 2 : n});
+      moe_grouped_gemm(a, nullptr);
+      break;
+    }
+    case 3: {
+      MoeCombineArgs a;
+      a.expert_out = view(in, 0, DType::kBF16, {tokens * std::max<int64_t>(top_k, 1), hidden});
+      a.inverse = view(in, 1, DType::kInt32, {tokens, top_k});
+      a.topk_weights = view(in, 2, DType::kFP32, {tokens, top_k});
+      if (in.flag()) a.shared_out = view(in, 3, a.expert_out.dtype, {tokens, hidden});
+      a.out = in.range(0, 15) == 0 ? a.expert_out : view(in, 4, a.expert_out.dtype, {tokens, hidden});
+      moe_combine(a, nullptr);
+      break;
+    }
+    default: {
+      FusedMoeArgs a;
+      a.x = view(in, 0, DType::kBF16, {tokens, hidden});
+      a.w1 = view(in, 1, a.x.dtype, {experts, 2 * inter, hidden});
+      a.w2 = view(in, 2, a.x.dtype, {experts, hidden, inter});
+      a.top_k = static_cast<int>(top_k);
+      if (in.flag()) {
+        a.router_logits = view(in, 3, DType::kFP32, {tokens, experts});
+      }
+      if (in.flag() || a.router_logits.rank == 0) {
+        a.topk_ids = view(in, 4, DType::kInt32, {tokens, top_k});
+        a.topk_weights = view(in, 5, DType::kFP32, {tokens, top_k});
+      }
+      if (in.range(0, 3) == 0) {
+        a.shared_w1 = view(in, 6, a.x.dtype, {2 * inter, hidden});
+        a.shared_w2 = view(in, 7, a.x.dtype, {hidden, inter});
+      }
+      a.out = view(in, 8, a.x.dtype, {tokens, hidden});
+      a.workspace = reinterpret_cast<void*>(kBase + (uintptr_t(9) << 30) + (in.range(0, 7) == 0 ? 8 : 0));
+      a.workspace_size = static_cast<std::size_t>(in.range(0, 1 << 24));
+      if (in.range(0, 3) == 0) {
+        try {
+          a.workspace_size = fused_moe_workspace_bytes(tokens, hidden, inter, static_cast<int>(experts),
+                                                       static_cast<int>(top_k), a.shared_w1.rank ? inter : 0);
+        } catch (const Error&) {
+        }
+      }
+      fused_moe(a, nullptr);
+    }
+  }
+}
+
 void call_decoder_config(fuzz::FuzzInput& in) {
   DecodeConfig c;
   c.num_kv_heads = static_cast<int>(in.range(-1, 16));
@@ -173,11 +263,12 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::FuzzInput in(data, size);
   try {
-    switch (in.range(0, 4)) {
+    switch (in.range(0, 5)) {
       case 0: call_prefill(in, false); break;
       case 1: call_prefill(in, true); break;
       case 2: call_merge(in); break;
       case 3: call_append(in); break;
+      case 4: call_moe(in); break;
       default: call_decoder_config(in); break;
     }
   } catch (const Error&) {
