@@ -218,7 +218,8 @@ void check_rows_16bit(const detail::ArgCheck& check, const TensorView& t, const 
 // The tiles of the largest grouped GEMM launch (16-row tiles, 64-column tiles) must number < 2^31.
 void check_tile_count(const detail::ArgCheck& check, const char* name, int64_t rows, int64_t experts, int64_t n) {
   const int64_t tiles = (rows / 16 + experts) * ((n + 63) / 64);
-  TESSERA_REQUIRE(check, rows < (int64_t(1) << 31) && tiles < (int64_t(1) << 31), name,
+  // Rows below 2^31 - 256: a tile's row index (its first row plus up to 255) stays an int.
+  TESSERA_REQUIRE(check, rows < (int64_t(1) << 31) - 256 && tiles < (int64_t(1) << 31), name,
                   "too many rows x columns for one launch (" + std::to_string(rows) + " rows, " + std::to_string(n) +
                       " columns)");
 }

@@ -16,7 +16,6 @@
 // SwiGLU: a tile's B rows are 64 gate rows and the 64 up rows of the same columns, and every warp
 // holds matching gate and up columns, so silu(gate) * up is formed in registers.
 // Not run on a GPU nor measured yet; its index math was checked by a lane-level host emulation.
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -30,6 +29,7 @@
 #include "kernels/attention/common/register_tile.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/moe/grouped_gemm_params.h"
+#include "kernels/moe/grouped_tiles.cuh"
 #include "tessera/error.h"
 
 namespace tessera::kernels::moe {
@@ -132,8 +132,7 @@ struct ColumnMap {
 };
 
 // One tile of work: rows [row0, row0 + rows) of expert `expert` (rows <= kBlockM: the rest of the
-// m tile lies past the segment's end), n tile n_tile. Rows inside the tile count from row0, so that
-// no row index past the segment is ever formed (a segment may end next to 2^31).
+// m tile lies past the segment's end), n tile n_tile.
 struct GemmTile {
   int expert;
   int row0;
@@ -141,74 +140,16 @@ struct GemmTile {
   int n_tile;
 };
 
-// The tile list, rebuilt by every CTA from offsets (one pass over at most kMaxGemmExperts + 1
-// ints): expert e owns m tiles [m_tiles_before[e], m_tiles_before[e + 1]), times n_tiles n tiles.
-// The segment bounds are clamped to [0, rows], so that offsets breaking their contract cannot send
-// a tile outside the tensors; without offsets, expert 0 owns every row (a dense layer: the shared
-// experts).
-// Tile ids run expert by expert and, within an expert, over its m tiles first, so the CTAs that run
-// at the same time mostly read the same w tile (an expert's w is usually larger than its rows of a).
-struct TileScheduler {
-  static constexpr int kExpertsPerThread = kMaxGemmExperts / kThreads;
-  static_assert(kMaxGemmExperts % kThreads == 0, "the scan gives each thread the same number of experts");
-  using Scan = cub::BlockScan<int32_t, kThreads>;
-  struct Storage {
-    int32_t segment_begin[kMaxGemmExperts + 1];   // offsets, clamped
-    int32_t m_tiles_before[kMaxGemmExperts + 1];  // exclusive prefix sum; [num_experts] = total
-    typename Scan::TempStorage scan;
-  };
+// The tile list (grouped_tiles.cuh, the Hopper kernel's too): built by every CTA from offsets,
+// expert by expert with m tiles fastest, so the CTAs that run at the same time mostly read the
+// same w tile. Column tiles are counted in units of one n tile.
+using Tiles = GroupedTiles<kBlockM, kThreads>;
 
-  Storage& s;
-  const int num_experts, n_tiles;
-
-  // Every thread of the CTA calls this (it holds two __syncthreads).
-  __device__ TileScheduler(const GroupedGemmParams& p, int n_tiles_, Storage& storage)
-      : s(storage), num_experts(p.num_experts), n_tiles(n_tiles_) {
-    for (int e = threadIdx.x; e <= num_experts; e += kThreads) {
-      const int64_t bound = p.offsets != nullptr ? p.offsets[e] : e == 0 ? 0 : p.rows;
-      s.segment_begin[e] = static_cast<int32_t>(bound < 0 ? 0 : bound > p.rows ? p.rows : bound);
-    }
-    __syncthreads();
-    int32_t m_tiles[kExpertsPerThread];
-#pragma unroll
-    for (int i = 0; i < kExpertsPerThread; ++i) {
-      const int e = threadIdx.x * kExpertsPerThread + i;
-      // int64: a segment of nearly 2^31 rows must not overflow the rounding up; max(0): offsets
-      // that decrease (a contract breach) give empty experts, not a broken prefix sum.
-      const int64_t rows = e < num_experts ? int64_t(s.segment_begin[e + 1]) - s.segment_begin[e] : 0;
-      m_tiles[i] = static_cast<int32_t>((std::max<int64_t>(rows, 0) + kBlockM - 1) / kBlockM);
-    }
-    int32_t total = 0;
-    Scan(s.scan).ExclusiveSum(m_tiles, m_tiles, total);
-#pragma unroll
-    for (int i = 0; i < kExpertsPerThread; ++i) {
-      const int e = threadIdx.x * kExpertsPerThread + i;
-      if (e < num_experts) s.m_tiles_before[e] = m_tiles[i];
-    }
-    if (threadIdx.x == 0) s.m_tiles_before[num_experts] = total;
-    __syncthreads();
-  }
-
-  __device__ int64_t num_tiles() const { return int64_t(s.m_tiles_before[num_experts]) * n_tiles; }
-
-  __device__ GemmTile tile(int64_t id) const {
-    // The expert holding global m tile g = id / n_tiles: the last one whose first m tile is at or
-    // before g (experts without rows share their successor's start, and so are never chosen).
-    const int32_t g = static_cast<int32_t>(id / n_tiles);
-    int lo = 0, hi = num_experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (s.m_tiles_before[mid] <= g) lo = mid;
-      else hi = mid - 1;
-    }
-    const int e = lo;
-    const int m_tiles = s.m_tiles_before[e + 1] - s.m_tiles_before[e];
-    const int64_t local = id - int64_t(s.m_tiles_before[e]) * n_tiles;  // < m_tiles * n_tiles
-    const int row0 = s.segment_begin[e] + static_cast<int>(local % m_tiles) * kBlockM;
-    const int rows_left = s.segment_begin[e + 1] - row0;
-    return {e, row0, rows_left < kBlockM ? rows_left : kBlockM, static_cast<int>(local / m_tiles)};
-  }
-};
+__device__ GemmTile gemm_tile(const Tiles& tiles, int id) {
+  const GroupedTile t = tiles.at(id);
+  const int rows_left = t.row_end - t.row0;
+  return {t.expert, t.row0, rows_left < kBlockM ? rows_left : kBlockM, t.col0};
+}
 
 // This thread's share of a stage's copies: tile rows thread / 4 + 64 i of A and of B, chunk
 // thread % 4, their source rows fixed for the whole tile. Rows past the segment, w rows past the
@@ -357,14 +298,16 @@ __device__ void epilogue(const GroupedGemmParams& p, const GemmTile& tile, const
 template <typename T, GemmEpilogue kEpilogue>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) grouped_gemm_sm80_kernel(const GroupedGemmParams p) {
   extern __shared__ __align__(128) unsigned char smem_bytes[];
-  __shared__ TileScheduler::Storage scheduler_storage;
+  __shared__ int tiles_storage[Tiles::kSmemBytes / sizeof(int)];
+  __shared__ typename Tiles::Scan::TempStorage scan_storage;
   T* smem = reinterpret_cast<T*>(smem_bytes);
-  const TileScheduler scheduler(p, ColumnMap<kEpilogue>::n_tiles(p.n), scheduler_storage);
+  Tiles tiles(tiles_storage, p.num_experts, ColumnMap<kEpilogue>::n_tiles(p.n), 1);
+  tiles.build(p.offsets, p.rows, scan_storage);  // ends with __syncthreads
   const unsigned lane = threadIdx.x % 32;
   const WarpTile warp(threadIdx.x / 32, lane);
-  const int64_t num_tiles = scheduler.num_tiles();
-  for (int64_t id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-    const GemmTile tile = scheduler.tile(id);
+  const int num_tiles = tiles.count();
+  for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+    const GemmTile tile = gemm_tile(tiles, id);
     WarpAcc acc[kWarpMTiles];
 #pragma unroll
     for (int mt = 0; mt < kWarpMTiles; ++mt) fill(acc[mt], 0.f);
