@@ -33,7 +33,7 @@ if command -v compute-sanitizer >/dev/null && [ "${SKIP_SANITIZER:-0}" != 1 ]; t
   # racecheck sees shared-memory hazards only: it is run on the kernels that use shared memory.
   echo "== compute-sanitizer (memcheck, racecheck) on the GPU suites"
   { compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='Gpu*' 2>&1 | tail -5
-    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuPrefill.CompactTileShapeForLessSharedMemory:GpuDecode.PageSizesAndLayouts:GpuDecode.OneCtaPerSmShape:GpuDecodeSplit.LongRequestAlone:GpuPrefillPaged.PagedEqualsRagged:GpuPrefillPaged.CompactTileShapeForLessSharedMemory' 2>&1 | tail -5
+    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuPrefill.CompactTileShapeForLessSharedMemory:GpuDecode.PageSizesAndLayouts:GpuDecode.OneCtaPerSmShape:GpuDecodeSplit.LongRequestAlone:GpuPrefillPaged.PagedEqualsRagged:GpuPrefillPaged.CompactTileShapeForLessSharedMemory:GpuMoeGemm.StridedViews:GpuMoeGemm.OffsetsFromMoePermute:GpuFusedMoe.SharedExpert' 2>&1 | tail -5
   } > "$out/sanitizer.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log"
 fi
