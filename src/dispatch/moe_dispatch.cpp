@@ -4,8 +4,10 @@
 
 #include <array>
 #include <atomic>
+#include <string>
 
 #include "core/cuda_check.h"
+#include "tessera/error.h"
 #include "dispatch/kernel_families.h"
 #include "dispatch/prefill_dispatch.h"  // sm_count
 #include "tessera_instantiations.h"
@@ -53,6 +55,12 @@ const char* moe_gemm_family_name(MoeGemmFamily family) {
 }
 
 void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStream_t stream) {
+  // Without offsets the kernels give expert 0 every row, and so would every other expert: only a
+  // single-expert (dense) problem may leave them out.
+  if (params.offsets == nullptr && params.num_experts != 1) {
+    throw Error("tessera: internal: a grouped GEMM of " + std::to_string(params.num_experts) +
+                " experts needs expert offsets");
+  }
   const int cc = current_cc();
   const int forced = g_forced_family.load();
   const MoeGemmFamily family = forced >= 0 ? MoeGemmFamily(forced) : choose_moe_gemm(cc / 10, cc % 10);

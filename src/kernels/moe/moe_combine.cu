@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       }
     }
     if (p.shared != nullptr) {
-      // Read, then written, by this thread alone, so out may be shared itself (an in-place add);
-      // hence a plain load and not the read-only path (__ldg), which wants data unchanged by the kernel.
+      // A plain load (not the read-only path): the kernel itself would allow out == shared (each
+      // element is read, then written, by one thread), though moe_combine's validation keeps them
+      // apart.
       float f[8];
       Vec8<T>{*reinterpret_cast<const uint4*>(static_cast<const T*>(p.shared) + token * p.shared_stride + col)}
           .to_float(f);
