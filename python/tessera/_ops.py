@@ -18,13 +18,11 @@ from . import _tessera as _ext
 _registered = False
 _is_compiling = None  # torch.compiler.is_compiling, looked up once
 
-# The extension's host-side sizing functions (Python ints in, an int out). Once the ops are
-# registered they are marked torch.compiler.assume_constant_result, so that a wrapper sizing its
-# workspace under torch.compile is evaluated while tracing instead of breaking the graph on a
-# call Dynamo cannot trace.
-moe_permute_capacity = _ext.moe_permute_capacity
-moe_permute_workspace_bytes = _ext.moe_permute_workspace_bytes
-fused_moe_workspace_bytes = _ext.fused_moe_workspace_bytes
+
+
+def is_compiling() -> bool:
+    """Whether torch.compile is tracing the caller (False without torch)."""
+    return _registered and _is_compiling()
 
 
 def use_torch_op(x: Any) -> bool:
@@ -61,16 +59,6 @@ def register() -> bool:
         return False
     from torch import Tensor
     _is_compiling = torch.compiler.is_compiling
-    global moe_permute_capacity, moe_permute_workspace_bytes, fused_moe_workspace_bytes
-
-    def constant(fn: Any) -> Any:
-        def call(*args: int) -> int:
-            return fn(*args)
-        return torch.compiler.assume_constant_result(call)
-
-    moe_permute_capacity = constant(_ext.moe_permute_capacity)
-    moe_permute_workspace_bytes = constant(_ext.moe_permute_workspace_bytes)
-    fused_moe_workspace_bytes = constant(_ext.fused_moe_workspace_bytes)
 
     def no_output(*args: Any, **kwargs: Any) -> None:
         return None

@@ -18,6 +18,42 @@ from . import _tessera as _ext
 _SCORES = {"softmax": 0, "sigmoid": 1}
 
 
+# ---- buffer sizes --------------------------------------------------------------------------------------
+# The library's sizing functions validate their arguments; torch.compile cannot trace a call into
+# the extension, and with dynamic shapes the sizes are symbolic, so under compilation the wrappers
+# use the same arithmetic in Python (tests/test_bindings.py checks it against the library; the
+# entry points still check every buffer's size when they run).
+
+def _permute_capacity(tokens: Any, top_k: int, num_experts: int, align: int) -> Any:
+    if _ops.is_compiling():
+        return tokens * top_k + num_experts * (align - 1)
+    return _ext.moe_permute_capacity(tokens, top_k, num_experts, align)
+
+
+def _permute_workspace_bytes_py(tokens: Any, top_k: int, num_experts: int) -> Any:
+    entries = tokens * top_k
+    return ((entries + 63) // 64 * 64 + (entries + 1023) // 1024 * num_experts) * 4
+
+
+def _permute_workspace_bytes(tokens: Any, top_k: int, num_experts: int) -> Any:
+    if _ops.is_compiling():
+        return _permute_workspace_bytes_py(tokens, top_k, num_experts)
+    return _ext.moe_permute_workspace_bytes(tokens, top_k, num_experts)
+
+
+def _fused_moe_workspace_bytes_py(tokens: Any, hidden: Any, inter: Any, num_experts: int, top_k: int,
+                                  shared_inter: Any = 0) -> Any:
+    """fused_moe's workspace layout (src/api/moe_api.cpp, fused_moe_layout): each buffer rounded up
+    to 256 bytes."""
+    rows = tokens * top_k
+    parts = [rows * 4, rows * 4, (num_experts + 1) * 4, rows * 4, rows * 4,
+             _permute_workspace_bytes_py(tokens, top_k, num_experts), rows * hidden * 2, rows * inter * 2,
+             rows * hidden * 2]
+    if shared_inter > 0:
+        parts += [tokens * shared_inter * 2, tokens * hidden * 2]
+    return sum((b + 255) // 256 * 256 for b in parts)
+
+
 @T.stream_scope("logits", 0)
 def moe_route(logits: Any, top_k: int, *, score: str = "softmax", renormalize: bool = False,
               selection_bias: Optional[Any] = None, num_groups: int = 1, topk_groups: int = 1,
@@ -60,7 +96,7 @@ class MoePermutation(NamedTuple):
 
 def moe_permute_capacity(tokens: int, top_k: int, num_experts: int, align: int = 1) -> int:
     """Rows the permuted outputs must hold: tokens x top_k + num_experts x (align - 1)."""
-    return _ops.moe_permute_capacity(tokens, top_k, num_experts, align)
+    return _permute_capacity(tokens, top_k, num_experts, align)
 
 
 @T.stream_scope("topk_ids", 0)
@@ -89,7 +125,7 @@ def moe_permute(topk_ids: Any, num_experts: int, *, align: int = 1, x: Optional[
     if x is not None and permuted_x is None:
         permuted_x = T.empty_like(x, entry, "x", rows=capacity)
     if workspace is None:
-        words = (_ops.moe_permute_workspace_bytes(tokens, top_k, num_experts) + 3) // 4
+        words = (_permute_workspace_bytes(tokens, top_k, num_experts) + 3) // 4
         workspace = T.empty((max(words, 1),), _ext.DType.INT32, like=topk_ids)
     args = (topk_ids, int(num_experts), int(align), x, permuted_x, expert_offsets, permuted_token, inverse,
             workspace)
@@ -152,7 +188,9 @@ def moe_combine(expert_out: Any, inverse: Any, topk_weights: Any, *, shared_out:
 def fused_moe_workspace_bytes(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
                               shared_inter: int = 0) -> int:
     """Bytes of device workspace fused_moe needs."""
-    return _ops.fused_moe_workspace_bytes(tokens, hidden, inter, num_experts, top_k, shared_inter)
+    if _ops.is_compiling():
+        return _fused_moe_workspace_bytes_py(tokens, hidden, inter, num_experts, top_k, shared_inter)
+    return _ext.fused_moe_workspace_bytes(tokens, hidden, inter, num_experts, top_k, shared_inter)
 
 
 @T.stream_scope("x", 0)

@@ -186,3 +186,18 @@ def test_torch_ops_are_registered():
     for op in ["batch_prefill", "batch_prefill_paged", "append_paged_kv", "merge_state",
                "merge_state_in_place", "merge_states", "decode_run"]:
         assert hasattr(torch.ops.tessera, op), op
+
+
+def test_moe_python_sizes_equal_the_librarys():
+    """The sizes the MoE wrappers compute in Python under torch.compile are the library's."""
+    from tessera import moe
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        tokens, top_k = int(rng.integers(0, 5000)), int(rng.integers(1, 9))
+        experts = int(rng.integers(top_k, 1025))
+        hidden, inter = 8 * int(rng.integers(1, 1000)), 8 * int(rng.integers(1, 1000))
+        shared = 8 * int(rng.integers(0, 300))
+        assert moe._fused_moe_workspace_bytes_py(tokens, hidden, inter, experts, top_k, shared) == \
+            tessera.fused_moe_workspace_bytes(tokens, hidden, inter, experts, top_k, shared)
+        assert moe._permute_workspace_bytes_py(tokens, top_k, experts) == \
+            _tessera.moe_permute_workspace_bytes(tokens, top_k, experts)

@@ -330,6 +330,10 @@ def test_fused_moe_under_torch_compile():
     eager = layer(x, logits)
     compiled = torch.compile(layer, fullgraph=True)(x, logits)
     assert torch.equal(eager, compiled)
+    # Dynamic shapes: the workspace is sized from a symbolic token count.
+    dynamic = torch.compile(layer, fullgraph=True, dynamic=True)
+    for n in (5, 8, 13):
+        assert torch.equal(layer(x[:n], logits[:n]), dynamic(x[:n], logits[:n]))
 
 
 def test_torch_compile_fullgraph_no_graph_break():

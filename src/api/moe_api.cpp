@@ -61,10 +61,8 @@ void check_route_options(const detail::ArgCheck& check, const TensorView& logits
   }
 }
 
-}  // namespace
-
-void moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
-  const detail::ArgCheck check("moe_route");
+// moe_route's rules, then the kernel's parameters (fused_moe builds them before any launch).
+kernels::moe::RouteParams route_params(const detail::ArgCheck& check, const MoeRouteArgs& a) {
   check_route_options(check, a.logits, "logits", a.top_k, a.score, a.num_groups, a.topk_groups, a.routed_scaling,
                       a.selection_bias);
   const int64_t tokens = a.logits.size(0), experts = a.logits.size(1);
@@ -93,7 +91,14 @@ void moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
   p.routed_scaling = a.routed_scaling;
   p.ids = static_cast<int32_t*>(a.topk_ids.data);
   p.weights = static_cast<float*>(a.topk_weights.data);
-  kernels::moe::launch_route(p, stream);
+  return p;
+}
+
+}  // namespace
+
+void moe_route(const MoeRouteArgs& a, cudaStream_t stream) {
+  const detail::ArgCheck check("moe_route");
+  kernels::moe::launch_route(route_params(check, a), stream);
 }
 
 namespace {
@@ -123,8 +128,9 @@ std::size_t moe_permute_workspace_bytes(int64_t tokens, int top_k, int num_exper
   return std::size_t(ranks + kernels::moe::permute_chunks(entries) * num_experts) * sizeof(int32_t);
 }
 
-void moe_permute(const MoePermuteArgs& a, cudaStream_t stream) {
-  const detail::ArgCheck check("moe_permute");
+namespace {
+// moe_permute's rules, then the kernels' parameters.
+kernels::moe::PermuteParams permute_params(const detail::ArgCheck& check, const MoePermuteArgs& a) {
   check.tensor(a.topk_ids, "topk_ids", 2);
   check.dtype(a.topk_ids, "topk_ids", {DType::kInt32});
   TESSERA_REQUIRE(check, a.topk_ids.is_contiguous(), "topk_ids", "must be row-major contiguous, got " + a.topk_ids.describe());
@@ -201,7 +207,13 @@ void moe_permute(const MoePermuteArgs& a, cudaStream_t stream) {
     p.x_stride = a.x.stride[0];
     p.permuted_x_stride = a.permuted_x.stride[0];
   }
-  kernels::moe::launch_permute(p, stream);
+  return p;
+}
+}  // namespace
+
+void moe_permute(const MoePermuteArgs& a, cudaStream_t stream) {
+  const detail::ArgCheck check("moe_permute");
+  kernels::moe::launch_permute(permute_params(check, a), stream);
 }
 
 // ---- Grouped GEMM, combine, the whole layer -----------------------------------------------------
@@ -213,6 +225,17 @@ void check_rows_16bit(const detail::ArgCheck& check, const TensorView& t, const 
   check.tensor(t, name, rank);
   check.dtype(t, name, {DType::kBF16, DType::kFP16});
   check.vectorizable_rows(t, name);
+}
+
+// A grouped GEMM operand as the copy engine reads it (TMA on Hopper; the portable kernel gets the
+// same rule so both families take the same calls): every dim of more than one element has a
+// positive stride below 2^40 bytes.
+void check_gemm_strides(const detail::ArgCheck& check, const TensorView& t, const char* name) {
+  for (int d = 0; d + 1 < t.rank; ++d) {
+    TESSERA_REQUIRE(check, t.shape[d] <= 1 || (t.stride[d] > 0 && t.stride[d] < (int64_t(1) << 39)), name,
+                    "stride of dim " + std::to_string(d) + " (" + std::to_string(t.stride[d]) +
+                        ") must be positive and below 2^39 elements (the grouped GEMM's copy engine)");
+  }
 }
 
 // The tiles of the largest grouped GEMM launch (16-row tiles, 64-column tiles) must number < 2^31.
@@ -234,6 +257,9 @@ kernels::moe::GroupedGemmParams grouped_gemm_params(const detail::ArgCheck& chec
   check.dtype(w, w_name, {a.dtype});
   check_rows_16bit(check, out, out_name, 2);
   check.dtype(out, out_name, {a.dtype});
+  check_gemm_strides(check, a, a_name);
+  check_gemm_strides(check, w, w_name);
+  check_gemm_strides(check, out, out_name);
   const int64_t rows = a.size(0), k = a.size(1), experts = w.size(0), n = w.size(1);
   TESSERA_REQUIRE(check, experts >= 1 && experts <= kernels::moe::kMaxGemmExperts, w_name,
                   "num_experts (dim 0) must be in 1.." + std::to_string(kernels::moe::kMaxGemmExperts) + ", got " +
@@ -358,9 +384,11 @@ FusedMoeLayout fused_moe_layout(int64_t tokens, int64_t hidden, int64_t inter, i
   const std::size_t e16 = 2;
   FusedMoeLayout l;
   std::size_t at = 0;
+  // Sizes are bounded by check_fused_shape (rows < 2^31, hidden and inter < 2^30: each buffer
+  // below 2^62 bytes), and the sum is checked on top, so no size wraps.
   auto take = [&](std::size_t bytes) {
     const std::size_t here = at;
-    at += round_up(bytes);
+    if (__builtin_add_overflow(at, round_up(bytes), &at)) throw Error("tessera::fused_moe: the workspace size overflows");
     return here;
   };
   l.ids = take(std::size_t(rows) * 4);
@@ -405,7 +433,13 @@ void check_fused_shape(const detail::ArgCheck& check, int64_t tokens, int64_t hi
   TESSERA_REQUIRE(check, shared_inter >= 0 && shared_inter % 8 == 0, n.shared_inter,
                   "the shared experts' intermediate size must be 0 or a positive multiple of 8, got " +
                       std::to_string(shared_inter));
-  TESSERA_REQUIRE(check, tokens * top_k < (int64_t(1) << 31), n.tokens, "tokens x top_k must stay below 2^31");
+  // The permuted rows: below the grouped GEMM's 2^31 - 256 and, with the experts, the permutation's 2^31.
+  TESSERA_REQUIRE(check, tokens * top_k < (int64_t(1) << 31) - 256 && tokens * top_k + experts < (int64_t(1) << 31),
+                  n.tokens, "tokens x top_k (+ num_experts) must stay below 2^31 - 256");
+  TESSERA_REQUIRE(check, hidden < (int64_t(1) << 30), n.hidden, "the hidden size must be below 2^30");
+  TESSERA_REQUIRE(check, inter < (int64_t(1) << 30), n.inter, "the intermediate size must be below 2^30");
+  TESSERA_REQUIRE(check, shared_inter < (int64_t(1) << 30), n.shared_inter,
+                  "the shared experts' intermediate size must be below 2^30");
 }
 
 }  // namespace
@@ -467,6 +501,8 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
     TESSERA_REQUIRE(check, a.shared_w1.size(0) % 16 == 0 && a.shared_w1.size(0) > 0, "shared_w1",
                     "dim 0 must be 2 x shared_inter, a positive multiple of 16, got " + std::to_string(a.shared_w1.size(0)));
     shared_inter = a.shared_w1.size(0) / 2;
+    TESSERA_REQUIRE(check, shared_inter < (int64_t(1) << 30), "shared_w1",
+                    "the shared experts' intermediate size must be below 2^30");
     check.dim(a.shared_w1, "shared_w1", 1, hidden, "x's hidden size");
     check.dim(a.shared_w2, "shared_w2", 0, hidden, "x's hidden size");
     check.dim(a.shared_w2, "shared_w2", 1, shared_inter, "shared_inter (shared_w1's dim 0 / 2)");
@@ -505,9 +541,17 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
       if (o < o2) check.disjoint(*o, oname, *o2, oname2);
     }
   }
+  // Every step's parameters are built (and checked) before the first launch: nothing is written
+  // when any rule fails. The steps' own checks run under this entry point's name; they cannot fail
+  // on what passed the checks above except where noted.
+  unsigned char* ws = static_cast<unsigned char*>(a.workspace);
+  const int64_t rows = tokens * a.top_k;
+  const TensorView ids = has_ids ? a.topk_ids : TensorView::contiguous(ws + l.ids, DType::kInt32, {tokens, a.top_k});
+  const TensorView weights =
+      has_ids ? a.topk_weights : TensorView::contiguous(ws + l.weights, DType::kFP32, {tokens, a.top_k});
+  kernels::moe::RouteParams route;
   if (has_logits) {
-    // Route into the caller's topk tensors or the workspace's; moe_route checks its own options
-    // (with its own name in the message: they are the same fields).
+    // Into the caller's topk tensors, or the workspace's.
     MoeRouteArgs r;
     r.logits = a.router_logits;
     r.selection_bias = a.selection_bias;
@@ -517,24 +561,15 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
     r.num_groups = a.num_groups;
     r.topk_groups = a.topk_groups;
     r.routed_scaling = a.routed_scaling;
-    unsigned char* ws = static_cast<unsigned char*>(a.workspace);
-    r.topk_ids = has_ids ? a.topk_ids : TensorView::contiguous(ws + l.ids, DType::kInt32, {tokens, a.top_k});
-    r.topk_weights = has_ids ? a.topk_weights : TensorView::contiguous(ws + l.weights, DType::kFP32, {tokens, a.top_k});
-    if (tokens == 0) return;
-    moe_route(r, stream);
+    r.topk_ids = ids;
+    r.topk_weights = weights;
+    route = route_params(check, r);
   }
-  if (tokens == 0) return;
-  unsigned char* ws = static_cast<unsigned char*>(a.workspace);
-  const int64_t rows = tokens * a.top_k;
-  const TensorView ids = has_ids ? a.topk_ids : TensorView::contiguous(ws + l.ids, DType::kInt32, {tokens, a.top_k});
-  const TensorView weights =
-      has_ids ? a.topk_weights : TensorView::contiguous(ws + l.weights, DType::kFP32, {tokens, a.top_k});
   const TensorView offsets = TensorView::contiguous(ws + l.offsets, DType::kInt32, {experts + 1});
   const TensorView inverse = TensorView::contiguous(ws + l.inverse, DType::kInt32, {tokens, a.top_k});
   const TensorView permuted_x = TensorView::contiguous(ws + l.permuted_x, a.x.dtype, {rows, hidden});
   const TensorView act = TensorView::contiguous(ws + l.act, a.x.dtype, {rows, inter});
   const TensorView y = TensorView::contiguous(ws + l.y, a.x.dtype, {rows, hidden});
-
   MoePermuteArgs perm;
   perm.topk_ids = ids;
   perm.num_experts = int(experts);
@@ -546,40 +581,44 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
   perm.inverse = inverse;
   perm.workspace = ws + l.permute_ws;
   perm.workspace_size = l.permute_ws_bytes;
-  moe_permute(perm, stream);
-
-  const detail::ArgCheck inner("fused_moe");
-  kernels::moe::GroupedGemmParams up = grouped_gemm_params(inner, permuted_x, "x", a.w1, "w1", true, act, "workspace");
+  const kernels::moe::PermuteParams permute = permute_params(check, perm);
+  // The permuted rows are x's and the activations have w2's K: their rules name those.
+  kernels::moe::GroupedGemmParams up = grouped_gemm_params(check, permuted_x, "x", a.w1, "w1", true, act, "w1");
   up.offsets = static_cast<const int32_t*>(offsets.data);
-  dispatch::run_moe_grouped_gemm(up, stream);
-  kernels::moe::GroupedGemmParams down = grouped_gemm_params(inner, act, "workspace", a.w2, "w2", false, y, "workspace");
+  kernels::moe::GroupedGemmParams down = grouped_gemm_params(check, act, "w2", a.w2, "w2", false, y, "x");
   down.offsets = up.offsets;
-  dispatch::run_moe_grouped_gemm(down, stream);
-
   MoeCombineArgs c;
   c.expert_out = y;
   c.inverse = inverse;
   c.topk_weights = weights;
   c.out = a.out;
+  kernels::moe::GroupedGemmParams shared_up, shared_down;
   if (shared) {
     // The shared experts: a dense SwiGLU MLP over every token, one "expert" owning all rows.
     const TensorView shared_act = TensorView::contiguous(ws + l.shared_act, a.x.dtype, {tokens, shared_inter});
     c.shared_out = TensorView::contiguous(ws + l.shared_out, a.x.dtype, {tokens, hidden});
-    TensorView w1s = a.shared_w1, w2s = a.shared_w2;
-    auto as_one_expert = [](TensorView t) {
-      TensorView e = TensorView::strided(t.data, t.dtype, {1, t.shape[0], t.shape[1]},
-                                         {t.shape[0] * t.stride[0], t.stride[0], t.stride[1]});
-      return e;
+    auto as_one_expert = [](const TensorView& t) {
+      return TensorView::strided(t.data, t.dtype, {1, t.shape[0], t.shape[1]},
+                                 {t.shape[0] * t.stride[0], t.stride[0], t.stride[1]});
     };
-    kernels::moe::GroupedGemmParams s1 =
-        grouped_gemm_params(inner, a.x, "x", as_one_expert(w1s), "shared_w1", true, shared_act, "workspace");
-    dispatch::run_moe_grouped_gemm(s1, stream);
-    kernels::moe::GroupedGemmParams s2 =
-        grouped_gemm_params(inner, shared_act, "workspace", as_one_expert(w2s), "shared_w2", false, c.shared_out, "workspace");
-    dispatch::run_moe_grouped_gemm(s2, stream);
+    shared_up = grouped_gemm_params(check, a.x, "x", as_one_expert(a.shared_w1), "shared_w1", true, shared_act,
+                                    "shared_w1");
+    shared_down = grouped_gemm_params(check, shared_act, "shared_w2", as_one_expert(a.shared_w2), "shared_w2", false,
+                                      c.shared_out, "x");
   }
-  check_combine(inner, c);
-  kernels::moe::launch_combine(combine_params(c), stream);
+  check_combine(check, c);
+  const kernels::moe::CombineParams combine = combine_params(c);
+  if (tokens == 0) return;
+
+  if (has_logits) kernels::moe::launch_route(route, stream);
+  kernels::moe::launch_permute(permute, stream);
+  dispatch::run_moe_grouped_gemm(up, stream);
+  dispatch::run_moe_grouped_gemm(down, stream);
+  if (shared) {
+    dispatch::run_moe_grouped_gemm(shared_up, stream);
+    dispatch::run_moe_grouped_gemm(shared_down, stream);
+  }
+  kernels::moe::launch_combine(combine, stream);
 }
 
 }  // namespace tessera

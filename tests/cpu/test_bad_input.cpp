@@ -1128,6 +1128,24 @@ TEST(BadInputFusedMoe, ShapesRoutingAndWorkspace) {
   fails([](auto& a) { a.workspace = fake(9 << 24); }, {"workspace", "out"});     // over out
   expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, 64, 32, 8, 0); }, {"top_k"});
   expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, 64, 32, 0, 2); }, {"num_experts"});
+  // Limits that only the later steps knew, now refused before the first launch under fused_moe's
+  // names: weights the copy engine cannot read (negative strides), permuted rows past the grouped
+  // GEMM's 2^31 - 256, sizes whose workspace would not fit 64 bits.
+  fails([](auto& a) {
+    a.w2 = TensorView::strided(reinterpret_cast<char*>(a.w2.data) + 2 * 31 * 32 * 2, DType::kBF16, {8, 64, 32},
+                               {64 * 32, -32, 1});
+  }, {"w2"});
+  fails([](auto& a) {
+    a.x = TensorView::strided(a.x.data, DType::kBF16, {int64_t(1) << 28, 64}, {0, 1});  // broadcast rows
+    a.out = TensorView::strided(a.out.data, DType::kBF16, {int64_t(1) << 28, 64}, {64, 1});
+    a.router_logits = TensorView::strided(a.router_logits.data, DType::kFP32, {int64_t(1) << 28, 8}, {0, 1});
+    a.topk_ids = a.topk_weights = TensorView();
+    a.top_k = 8;  // 2^31 permuted rows
+  }, {"x"});
+  expect_arg_error("fused_moe_workspace_bytes", [] { fused_moe_workspace_bytes(16, int64_t(1) << 30, 32, 8, 2); },
+                   {"hidden"});
+  expect_arg_error("fused_moe_workspace_bytes",
+                   [] { fused_moe_workspace_bytes((int64_t(1) << 31) / 8, 64, 32, 8, 8); }, {"tokens"});
 }
 
 }  // namespace

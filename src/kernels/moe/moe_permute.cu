@@ -11,6 +11,8 @@
 // Chunks and ranks are fixed by the inputs alone, so the layout is deterministic.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "core/cuda_check.h"
 #include "kernels/moe/moe_params.h"
 
@@ -133,7 +135,10 @@ void launch_permute(const PermuteParams& p, cudaStream_t stream) {
     TESSERA_CHECK_LAUNCH();
   }
   if (p.x != nullptr && p.capacity > 0) {
-    rows_kernel<<<grid_for(p.capacity, kThreads / 32), kThreads, 0, stream>>>(p);
+    // Rows past the aligned total (entries + experts x (align - 1), which bounds offsets[E]) have
+    // nothing to copy: the grid stops there, however large the caller's buffers are.
+    const int64_t rows = std::min<int64_t>(p.capacity, p.entries + int64_t(p.num_experts) * (p.align - 1));
+    rows_kernel<<<grid_for(rows, kThreads / 32), kThreads, 0, stream>>>(p);
     TESSERA_CHECK_LAUNCH();
   }
 }
