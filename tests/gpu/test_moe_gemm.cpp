@@ -1219,6 +1219,24 @@ TEST(GpuFusedMoe, GivenRoutingE64Top8) {
   }
 }
 
+// The remaining grid corners: top-1 over 128 experts at 32768 tokens (long segments and
+// the many-rows tile shape), top-8 over 256 experts (decode-sized segments, the swapped shape).
+TEST(GpuFusedMoe, Top1ManyTokensAndTop8ManyExperts) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 11500;
+  for (int variant = 0; variant < 2; ++variant) {
+    FusedCase c;
+    c.tokens = variant == 0 ? 32768 : 1024;
+    c.hidden = 64;
+    c.inter = 32;
+    c.experts = variant == 0 ? 128 : 256;
+    c.top_k = variant == 0 ? 1 : 8;
+    c.logits = variant == 0;
+    c.renormalize = variant == 0;
+    run_fused(c, seed++);
+  }
+}
+
 // DeepSeek-V3-style routing inside the layer: sigmoid scores, a selection bias, 8 groups keep 4,
 // renormalised and scaled 2.5, with a shared expert.
 TEST(GpuFusedMoe, GroupedSigmoidRoutingWithSharedExpert) {
