@@ -283,6 +283,7 @@ class DecodePlanner {
   [[noreturn]] void fail(const char* arg, const std::string& rule) const;
   [[noreturn]] void fail_plan(const char* arg, const std::string& rule) const;
   void reserve_buffers();
+  void sort_by_length(int64_t longest);  // keys_, longest first (ties by request)
 
   PlanCapacity cap_;
   SplitPolicy policy_;
@@ -309,7 +310,7 @@ class DecodePlanner {
   int64_t num_with_query_ = 0;
   int64_t len_total_ = 0;
   std::vector<int64_t> emit_keys_;  // (INT32_MAX - chunk length) << 32 | request, split ones
-  std::vector<int64_t> split_keys_;  // launch order when something is split
+  std::vector<int64_t> split_keys_;  // launch order when something is split (and the radix sort's scratch)
   mutable std::vector<double> loads_;  // per machine group of the makespan estimate (a min-heap)
   mutable std::vector<double> pending_merges_;  // merges waiting for the estimate's current batch
 };
