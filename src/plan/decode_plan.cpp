@@ -249,10 +249,15 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
       const int32_t first = 4 * i + 1;
       if (first >= groups) break;
       int32_t c = first;
+      double least = h[first];  // the smallest child (the first of equal ones)
       const int32_t last = std::min(first + 4, groups);
-      for (int32_t k = first + 1; k < last; ++k) c = h[k] < h[c] ? k : c;
-      if (!(h[c] < v)) break;
-      h[i] = h[c];
+      for (int32_t k = first + 1; k < last; ++k) {
+        const bool less = h[k] < least;
+        least = less ? h[k] : least;
+        c = less ? k : c;
+      }
+      if (!(least < v)) break;
+      h[i] = least;
       i = c;
     }
     h[i] = v;
