@@ -75,6 +75,13 @@ struct DecodeConfig {
   // read (a few microseconds, which a short decode step feels). False: plain launches. The
   // kernel ahead must not write this decoder's workspace.
   bool programmatic_launch = true;
+  // Batch-invariant mode: plan() never splits a request's keys and keeps one CTA shape (the
+  // default one, or ctas_per_sm's), so a request's output bits depend on its own inputs only, not
+  // on the rest of the batch (FlashInfer / vLLM's batch invariance; needed for reproducible
+  // sampling across batch compositions). The cost: a long request's keys stream through one CTA
+  // per KV head, so skewed batches lose the planner's balance (a 32K request among short ones
+  // takes as long as one CTA reading 32K keys).
+  bool batch_invariant = false;
 };
 
 // What the last plan() decided (for logging and benchmarks).

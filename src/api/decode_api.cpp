@@ -116,7 +116,11 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   return cap;
 }
 
-plan::SplitPolicy split_policy() { return plan::SplitPolicy{}; }
+plan::SplitPolicy split_policy(const DecodeConfig& c) {
+  plan::SplitPolicy policy;
+  policy.split = !c.batch_invariant;
+  return policy;
+}
 
 }  // namespace
 
@@ -145,9 +149,11 @@ struct BatchDecoder::Impl {
   DecodePlanInfo info;
 
   Impl(const DecodeConfig& c, const GpuShape& g)
-      : config(c), gpu(g), planner(capacity_for(c, g), split_policy(), "BatchDecoder") {
+      : config(c), gpu(g), planner(capacity_for(c, g), split_policy(c), "BatchDecoder") {
     if (c.ctas_per_sm != 0) {
       planner.pin_shape(c.ctas_per_sm == 1 ? plan::CtaShape::kOneCtaPerSm : plan::CtaShape::kDefault);
+    } else if (c.batch_invariant) {
+      planner.pin_shape(plan::CtaShape::kDefault);  // one shape for every step
     }
   }
   ~Impl() {
@@ -159,7 +165,7 @@ struct BatchDecoder::Impl {
 std::size_t BatchDecoder::workspace_bytes(const DecodeConfig& config) {
   const detail::ArgCheck check("BatchDecoder::workspace_bytes");
   validate_config(check, config);
-  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config)), split_policy(),
+  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config)), split_policy(config),
                              "BatchDecoder::workspace_bytes")
       .workspace_bytes();
 }

@@ -579,11 +579,11 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   Choice chosen{longest, 0.0};
   plan_.shape = CtaShape::kDefault;
   plan_.wave_ctas = base.ctas;
-  if (!pinned_wide) chosen = choose_chunk(base, longest);
+  if (!pinned_wide && policy_.split) chosen = choose_chunk(base, longest);
   if (cap_.one_cta_per_sm_shape && (pinned_wide || (!shape_pinned_ && may_fit))) {
     // Unless it pays for split lists, only its unsplit list can be taken: estimate that alone.
-    Choice one = cap_.one_cta_per_sm_for_splits || pinned_wide ? choose_chunk(wide, longest)
-                                                               : Choice{longest, 0.0};
+    Choice one = policy_.split && (cap_.one_cta_per_sm_for_splits || pinned_wide) ? choose_chunk(wide, longest)
+                                                                                   : Choice{longest, 0.0};
     if (one.makespan_us == 0) one.makespan_us = makespan_us(one.chunk, wide);
     if (!pinned_wide && chosen.makespan_us == 0) chosen.makespan_us = makespan_us(chosen.chunk, base);
     const bool pays = one.chunk >= longest || cap_.one_cta_per_sm_for_splits;

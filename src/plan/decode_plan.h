@@ -92,6 +92,10 @@ struct SplitPolicy {
   // workspace; the chunk ladder's shortest rungs are skipped when they would exceed it).
   int32_t max_chunks_per_slot = 2;
   bool merge_tree = true;          // two-level merges where the model says they end earlier
+  // false: no request is ever split (one work item per request and KV head, whatever the batch).
+  // With the kernel shape pinned too (pin_shape), a request's plan, and so its output bits, no
+  // longer depends on the rest of the batch (BatchDecoder's batch_invariant mode).
+  bool split = true;
   CostModel cost;
 };
 

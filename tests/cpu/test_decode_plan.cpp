@@ -681,3 +681,58 @@ TEST(DecodePlan, PlanIntoTheImageEqualsWriteImage) {
 
 }  // namespace
 }  // namespace tessera::plan
+
+namespace tessera::plan {
+namespace {
+
+// Batch-invariant plans (SplitPolicy::split = false, shape pinned): a request's work items are the
+// same in any batch, while the default policy plans the same request differently by batch (so
+// the test can tell the modes apart).
+TEST(DecodePlan, BatchInvariantPlansGiveARequestTheSameItemsInEveryBatch) {
+  const PlanCapacity cap = [] {
+    PlanCapacity c = h200_decode(64);
+    c.ctas_per_sm = 2;
+    c.one_cta_per_sm_shape = true;
+    return c;
+  }();
+  // Request 0 (20K keys) alone, beside 63 short ones, and beside 3 other long ones.
+  const Batch alone(16, {20000});
+  std::vector<int64_t> crowd_len(64, 300);
+  crowd_len[0] = 20000;
+  const Batch crowd(16, crowd_len);
+  const Batch long_ones(16, {20000, 18000, 17000, 9000});
+  auto items_of_request0 = [](const Plan& p) {
+    std::vector<std::pair<int32_t, int32_t>> ranges;
+    for (const WorkItem& w : p.work)
+      if (w.request == 0) ranges.push_back({w.kv_begin, w.kv_end});
+    std::sort(ranges.begin(), ranges.end());
+    return ranges;
+  };
+  SplitPolicy invariant;
+  invariant.split = false;
+  DecodePlanner fixed(cap, invariant);
+  fixed.pin_shape(CtaShape::kDefault);
+  DecodePlanner balanced(cap);
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> fixed_items, balanced_items;
+  std::vector<CtaShape> fixed_shapes;
+  for (const Batch* b : {&alone, &crowd, &long_ones}) {
+    const Plan& f = fixed.plan(b->bsr(), b->qo_indptr.data());
+    check_plan(f, *b, cap, fixed);
+    fixed_items.push_back(items_of_request0(f));
+    fixed_shapes.push_back(f.shape);
+    const Plan& d = balanced.plan(b->bsr(), b->qo_indptr.data());
+    balanced_items.push_back(items_of_request0(d));
+  }
+  for (size_t i = 0; i < fixed_items.size(); ++i) {
+    EXPECT_EQ(fixed_items[i], fixed_items[0]) << "batch " << i;
+    EXPECT_EQ(fixed_shapes[i], CtaShape::kDefault) << "batch " << i;
+  }
+  ASSERT_EQ(fixed_items[0].size(), 1u);  // one item: all 20000 keys
+  EXPECT_EQ(fixed_items[0][0], std::make_pair(0, 20000));
+  // The balancing planner splits the lone request and plans it differently in the crowd.
+  EXPECT_GT(balanced_items[0].size(), 1u);
+  EXPECT_NE(balanced_items[0], balanced_items[2]);
+}
+
+}  // namespace
+}  // namespace tessera::plan

@@ -45,6 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   plan::SplitPolicy policy;
   if (in.flag()) policy.merge_tree = false;
   if (in.flag()) policy.min_chunk_tokens = static_cast<int32_t>(in.range(1, 4096));
+  if (in.range(0, 7) == 0) policy.split = false;  // batch-invariant plans
   const int32_t page_sizes[] = {16, 1, 64, 256, 7, 32};
   const int32_t page = in.pick(page_sizes);
 

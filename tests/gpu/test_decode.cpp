@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <cstring>
 #include <array>
 #include <functional>
 #include <numeric>
@@ -620,6 +621,50 @@ TEST(GpuDecode, RepeatedRunsAreBitwiseIdentical) {
   Stream stream;    // planned and run on another stream
   p.plan(decoder, stream);
   EXPECT_TRUE(bitwise_equal(first, p.run_and_fetch(decoder, stream))) << "run() on another stream differs";
+}
+
+// Batch-invariant mode (DecodeConfig::batch_invariant): the first `keep` requests of a batch, planned
+// and run as a batch of their own over the same cache, give bitwise the same O and LSE rows as in
+// the whole batch. (A long request among short ones: the balancing planner would split it one way
+// alone and another way in the crowd.)
+TEST(GpuDecode, BatchInvariantModeKeepsARequestsBits) {
+  TESSERA_REQUIRE_GPU();
+  DecodeCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv_len.assign(40, 300);
+  c.kv_len[0] = 20000;
+  c.kv_len[1] = 4100;
+  DecodeProblem p(c, 610);
+  p.cfg.batch_invariant = true;
+  DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
+  BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
+  p.plan(decoder);
+  EXPECT_EQ(decoder.last_plan().num_split_requests, 0);
+  const Outputs whole = p.run_and_fetch(decoder);
+  check_against(whole, p.expected(), "batch-invariant decode");
+  // The sub-batch: prefixes of the same device arrays, the same q and o rows.
+  const int keep = 2;
+  PageTable sub = p.table();
+  sub.indptr = TensorView::contiguous(sub.indptr.data, DType::kInt32, {keep + 1});
+  sub.indices = TensorView::contiguous(sub.indices.data, DType::kInt32, {p.kv.indptr[keep]});
+  sub.last_page_len = TensorView::contiguous(sub.last_page_len.data, DType::kInt32, {keep});
+  const TensorView q_sub = TensorView::strided(p.dq.get(), p.cfg.dtype, {keep, p.q.heads, p.q.dim},
+                                               {p.q.row_stride, p.q.dim, 1});
+  const TensorView o_sub = TensorView::strided(p.o.get(), p.cfg.dtype, {keep, p.q.heads, p.q.dim},
+                                               {p.q.row_stride, p.q.dim, 1});
+  const TensorView lse_sub = TensorView::contiguous(p.lse.get(), DType::kFP32, {keep, p.q.heads});
+  decoder.plan(p.qo_indptr.data(), sub, nullptr, p.kv.num_pages);
+  EXPECT_EQ(decoder.last_plan().num_split_requests, 0);
+  p.o.poison();
+  p.lse.poison();
+  decoder.run(q_sub, p.cache(), sub, o_sub, lse_sub, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const Outputs alone = fetch(p.o, p.lse, p.out_shape());
+  const size_t o_elems = size_t(keep * p.q.row_stride), lse_elems = size_t(keep * p.q.heads);
+  EXPECT_TRUE(std::equal(alone.o_raw.begin(), alone.o_raw.begin() + o_elems, whole.o_raw.begin()))
+      << "a request's O bits depend on the rest of the batch";
+  EXPECT_EQ(std::memcmp(alone.lse_raw.data(), whole.lse_raw.data(), lse_elems * 4), 0)
+      << "a request's LSE bits depend on the rest of the batch";
 }
 
 // With programmatic launch (sm_90+) a run() may start while the kernel ahead of it in the stream
