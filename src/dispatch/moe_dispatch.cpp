@@ -1,35 +1,14 @@
 #include "dispatch/moe_dispatch.h"
 
-#include <cuda_runtime_api.h>
-
-#include <array>
 #include <atomic>
 #include <string>
 
-#include "core/cuda_check.h"
-#include "tessera/error.h"
 #include "dispatch/kernel_families.h"
-#include "dispatch/prefill_dispatch.h"  // sm_count
+#include "dispatch/prefill_dispatch.h"  // sm_count, compute_capability
+#include "tessera/error.h"
 #include "tessera_instantiations.h"
 
 namespace tessera::dispatch {
-namespace {
-// major * 10 + minor of the current device, read once per device (devices 0..63).
-int current_cc() {
-  static std::array<std::atomic<int>, 64> cached{};
-  int device = 0;
-  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  int cc = device < 64 ? cached[device].load(std::memory_order_relaxed) : 0;
-  if (cc == 0) {
-    int major = 0, minor = 0;
-    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    cc = major * 10 + minor;
-    if (device < 64) cached[device].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
-}  // namespace
 
 MoeGemmFamily choose_moe_gemm(int cc_major, int cc_minor) {
   // The Hopper attention family's rule (machine code for sm_90a only) holds for this kernel too.
@@ -45,7 +24,7 @@ std::atomic<int> g_forced_family{-1};
 void force_moe_gemm_family(const MoeGemmFamily* family) { g_forced_family.store(family ? int(*family) : -1); }
 
 std::vector<MoeGemmFamily> moe_gemm_families_on_this_gpu() {
-  const int cc = current_cc();
+  const int cc = compute_capability();
   if (choose_moe_gemm(cc / 10, cc % 10) == MoeGemmFamily::kHopper) return {MoeGemmFamily::kHopper, MoeGemmFamily::kPortable};
   return {MoeGemmFamily::kPortable};
 }
@@ -61,7 +40,7 @@ void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStr
     throw Error("tessera: internal: a grouped GEMM of " + std::to_string(params.num_experts) +
                 " experts needs expert offsets");
   }
-  const int cc = current_cc();
+  const int cc = compute_capability();
   const int forced = g_forced_family.load();
   const MoeGemmFamily family = forced >= 0 ? MoeGemmFamily(forced) : choose_moe_gemm(cc / 10, cc % 10);
   if (family == MoeGemmFamily::kHopper) {

@@ -297,6 +297,10 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::P
 }
 
 int sm_count() { return current_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+int compute_capability() {
+  return current_device_attribute<cudaDevAttrComputeCapabilityMajor>() * 10 +
+         current_device_attribute<cudaDevAttrComputeCapabilityMinor>();
+}
 
 }  // namespace dispatch
 }  // namespace tessera

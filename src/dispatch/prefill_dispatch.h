@@ -49,7 +49,8 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim);
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
 
-// SMs of the current GPU (read once per device).
+// SMs of the current GPU and its compute capability as major * 10 + minor (read once per device).
 int sm_count();
+int compute_capability();
 
 }  // namespace tessera::dispatch
