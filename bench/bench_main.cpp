@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "ceilings.h"
+#include "dispatch/moe_dispatch.h"
 #include "dispatch/prefill_dispatch.h"
 #include "tessera/decode.h"
 #include "tessera/tessera.h"
@@ -793,6 +794,9 @@ int bench_moe_gemm(const Args& a) {
   }
   const bool swiglu = act_name == "swiglu";
   const int64_t n_out = swiglu ? N / 2 : N;
+  // token_rows=16|32|64|128: force the Hopper kernel's tile shape (ablations); absent, its rule.
+  const int token_rows = static_cast<int>(arg_int(a, "token_rows", "0"));
+  dispatch::force_moe_gemm_token_rows(token_rows);
   const std::vector<int32_t> ids =
       moe_routing(arg(a, "routing", "balanced"), T, top_k, E, std::stoull(arg(a, "seed", "1")));
   const ExpertRows routed = expert_rows(ids, E);
@@ -848,7 +852,8 @@ int bench_moe_gemm(const Args& a) {
   const double flops = 2.0 * double(rows) * N * K;
   char extra[320];
   std::snprintf(extra, sizeof(extra), ", \"activation\": \"%s\", \"touched_weight_bytes\": %.0f, \"weight_gbs\": %.1f, "
-                "\"rotations\": %d", act_name.c_str(), touched_bytes, touched_bytes / (ms * 1e-3) / 1e9, rot);
+                "\"rotations\": %d, \"token_rows\": %d", act_name.c_str(), touched_bytes,
+                touched_bytes / (ms * 1e-3) / 1e9, rot, token_rows);
   std::printf("{\"suite\": \"moe_gemm\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "
               "\"time_us\": %.2f%s%s}\n", arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3,
               routing_json(routed).c_str(), extra);

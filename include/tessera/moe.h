@@ -90,7 +90,10 @@ void moe_permute(const MoePermuteArgs& args, cudaStream_t stream);
 // any result and not written. a [rows, K] and out [rows, N or I] have contiguous columns and
 // row strides that are multiples of 8 elements; weights [E, N, K] has a contiguous K dim; K, N
 // (and I) are multiples of 8; rows < 2^31. expert_offsets must be non-decreasing within
-// [0, rows]: it is read on the device, so it cannot be checked there; moe_permute's is.
+// [0, rows] (moe_permute's is); it is read on the device, where the host cannot check it, so a
+// broken array is made safe there rather than trusted: each offset is clamped to [0, rows] and
+// raised to the largest offset before it, so no tile reaches outside a / out (the results of a
+// broken array are unspecified, never out-of-bounds).
 enum class MoeActivation : int { kNone = 0, kSwiGLU = 1 };
 
 struct MoeGroupedGemmArgs {
@@ -103,7 +106,8 @@ struct MoeGroupedGemmArgs {
 void moe_grouped_gemm(const MoeGroupedGemmArgs& args, cudaStream_t stream);
 
 // Combine: out[t, :] = sum_k topk_weights[t, k] * expert_out[inverse[t, k], :] (+ shared_out[t, :]),
-// summed in fp32 in k order (deterministic), copies with inverse -1 (dropped) skipped.
+// summed in fp32 in k order (deterministic), copies with inverse -1 (dropped) skipped. inverse is
+// device data the host cannot check: an entry outside [0, rows) is skipped like -1, never read.
 struct MoeCombineArgs {
   TensorView expert_out;    // [rows, hidden] bf16 / fp16, hidden contiguous
   TensorView inverse;       // [tokens, top_k] int32 (moe_permute's), row-major contiguous

@@ -326,6 +326,7 @@ kernels::moe::CombineParams combine_params(const MoeCombineArgs& a) {
   p.dtype = a.expert_out.dtype;
   p.y = a.expert_out.data;
   p.y_stride = a.expert_out.size(0) > 1 ? a.expert_out.stride[0] : a.expert_out.size(1);
+  p.y_rows = a.expert_out.size(0);
   p.inverse = static_cast<const int32_t*>(a.inverse.data);
   p.weights = static_cast<const float*>(a.topk_weights.data);
   if (a.shared_out.data != nullptr) {

@@ -19,9 +19,18 @@ MoeGemmFamily choose_moe_gemm(int cc_major, int cc_minor) {
 namespace {
 // A test's forced family: -1 none, else a MoeGemmFamily.
 std::atomic<int> g_forced_family{-1};
+std::atomic<int> g_forced_token_rows{0};
 }  // namespace
 
 void force_moe_gemm_family(const MoeGemmFamily* family) { g_forced_family.store(family ? int(*family) : -1); }
+
+void force_moe_gemm_token_rows(int token_rows) {
+  if (token_rows != 0 && token_rows != 16 && token_rows != 32 && token_rows != 64 && token_rows != 128) {
+    throw Error("tessera: force_moe_gemm_token_rows: token_rows must be 0, 16, 32, 64 or 128, got " +
+                std::to_string(token_rows));
+  }
+  g_forced_token_rows.store(token_rows);
+}
 
 std::vector<MoeGemmFamily> moe_gemm_families_on_this_gpu() {
   const int cc = compute_capability();
@@ -45,7 +54,9 @@ void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStr
   const MoeGemmFamily family = forced >= 0 ? MoeGemmFamily(forced) : choose_moe_gemm(cc / 10, cc % 10);
   if (family == MoeGemmFamily::kHopper) {
 #if TESSERA_INST_HOPPER
-    kernels::moe::launch_grouped_gemm_sm90(params, sm_count(), stream);
+    kernels::moe::GroupedGemmParams p = params;
+    if (const int forced_rows = g_forced_token_rows.load()) p.token_rows = forced_rows;
+    kernels::moe::launch_grouped_gemm_sm90(p, sm_count(), stream);
     return;
 #endif
   }

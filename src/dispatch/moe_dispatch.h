@@ -23,5 +23,8 @@ const char* moe_gemm_family_name(MoeGemmFamily family);
 // the caller's error: tests take it from moe_gemm_families_on_this_gpu().
 void run_moe_grouped_gemm(const kernels::moe::GroupedGemmParams& params, cudaStream_t stream);
 void force_moe_gemm_family(const MoeGemmFamily* family);
+// Forces the Hopper kernel's token rows per tile (16, 32, 64 or 128; 0 lifts it), so a benchmark
+// can time the shapes its rule chooses between (GroupedGemmParams::token_rows).
+void force_moe_gemm_token_rows(int token_rows);
 
 }  // namespace tessera::dispatch

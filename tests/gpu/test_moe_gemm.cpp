@@ -619,6 +619,89 @@ TEST(GpuMoeGemm, OffsetsFromMoePermute) {
   }
 }
 
+// Every tile shape of the Hopper kernel (token rows 16 / 32 / 64 swapped, 128; its rule picks
+// one by the mean rows per expert, so a forced shape sees segments far from the one it is chosen
+// for): integer kStore bit for bit and SwiGLU under the rule, segments of 0 to ~300 rows, so the
+// 128-row shape's last row tiles of <= 64 rows (one consumer idle) and > 64 rows both occur.
+TEST(GpuMoeGemm, EveryHopperTileShape) {
+  TESSERA_REQUIRE_GPU();
+  const auto families = dispatch::moe_gemm_families_on_this_gpu();
+  if (std::find(families.begin(), families.end(), dispatch::MoeGemmFamily::kHopper) == families.end()) {
+    GTEST_SKIP() << "the Hopper grouped GEMM does not run on this GPU";
+  }
+  const std::vector<GemmCase> cases = {
+      gemm_case(16, 136, 264, Layout::kSomeEmpty, 150, MoeActivation::kNone, Fill::kIntegers),
+      gemm_case(8, 72, 136, Layout::kDecode, 200, MoeActivation::kNone, Fill::kIntegers),
+      gemm_case(12, 200, 272, Layout::kSomeEmpty, 100, MoeActivation::kSwiGLU),
+      gemm_case(4, 1032, 144, Layout::kUniform, 65, MoeActivation::kSwiGLU),
+  };
+  uint32_t seed = 1500;
+  for (int token_rows : {16, 32, 64, 128}) {
+    SCOPED_TRACE("token rows " + std::to_string(token_rows));
+    dispatch::force_moe_gemm_token_rows(token_rows);
+    const dispatch::MoeGemmFamily hopper = dispatch::MoeGemmFamily::kHopper;
+    dispatch::force_moe_gemm_family(&hopper);
+    for (const GemmCase& c : cases) {
+      SCOPED_TRACE(describe(c, DType::kBF16));
+      GemmProblem problem(c, DType::kBF16, seed++);
+      problem.check(problem.run(nullptr));
+    }
+  }
+  dispatch::force_moe_gemm_token_rows(0);
+  dispatch::force_moe_gemm_family(nullptr);
+}
+
+// expert_offsets is device data the host cannot check. Broken arrays (overlapping segments that
+// each claim every row, offsets below 0 and past `rows`, decreasing ones) must neither fault nor
+// write outside out's rows nor take longer than a valid array of the same rows: the kernels clamp
+// the offsets and raise each to the largest before it (include/tessera/moe.h), so the segments
+// never overlap. What lands inside out is unspecified; out's rows past `rows` (a guard in the
+// same allocation) must keep their poison.
+TEST(GpuMoeGemm, BrokenOffsetsStayInBounds) {
+  TESSERA_REQUIRE_GPU();
+  const int experts = 256, k = 136, n = 272, rows = 384, guard = 256;
+  DeviceBuffer a(size_t(rows + guard) * k * 2), w(size_t(experts) * n * k * 2), off(size_t(experts + 1) * 4),
+      out(size_t(rows + guard) * n * 2);
+  a.upload(std::vector<uint16_t>(size_t(rows + guard) * k, 0x3F80));  // bf16 1.0
+  w.upload(std::vector<uint16_t>(size_t(experts) * n * k, 0x3F80));
+  std::vector<std::pair<std::string, std::vector<int32_t>>> arrays;
+  {
+    std::vector<int32_t> o(size_t(experts) + 1);
+    for (int e = 0; e <= experts; ++e) o[size_t(e)] = e % 2 ? rows : 0;
+    arrays.push_back({"every segment [0, rows)", o});
+    for (int e = 0; e <= experts; ++e) o[size_t(e)] = e % 3 == 0 ? -1000000 : e % 3 == 1 ? INT32_MAX : rows + e;
+    arrays.push_back({"below 0 and past rows", o});
+    for (int e = 0; e <= experts; ++e) o[size_t(e)] = rows - e * rows / experts;
+    arrays.push_back({"decreasing", o});
+    std::mt19937 rng(77);
+    std::uniform_int_distribution<int32_t> any(INT32_MIN, INT32_MAX);
+    for (auto& x : o) x = any(rng);
+    arrays.push_back({"random int32", o});
+  }
+  for (MoeActivation act : {MoeActivation::kNone, MoeActivation::kSwiGLU}) {
+    const int n_out = act == MoeActivation::kSwiGLU ? n / 2 : n;
+    MoeGroupedGemmArgs g;
+    g.a = TensorView::contiguous(a.get(), DType::kBF16, {rows, k});
+    g.weights = TensorView::contiguous(w.get(), DType::kBF16, {experts, n, k});
+    g.expert_offsets = TensorView::contiguous(off.get(), DType::kInt32, {experts + 1});
+    g.activation = act;
+    g.out = TensorView::contiguous(out.get(), DType::kBF16, {rows, n_out});
+    for (const auto& [name, offsets] : arrays) {
+      SCOPED_TRACE(name + (act == MoeActivation::kSwiGLU ? ", SwiGLU" : ""));
+      off.upload(offsets);
+      for_each_gemm_family([&] {
+        out.poison();
+        moe_grouped_gemm(g, nullptr);
+        sync(nullptr, "moe_grouped_gemm");
+        const auto bits = out.download<uint16_t>(size_t(rows + guard) * n_out);
+        const int64_t guard_written =
+            int64_t(std::count_if(bits.begin() + int64_t(rows) * n_out, bits.end(), [](uint16_t b) { return b != kNaN16; }));
+        EXPECT_EQ(guard_written, 0) << "elements written past out's last row";
+      });
+    }
+  }
+}
+
 // No rows at all, and rows but every expert empty: nothing is written, nothing fails.
 TEST(GpuMoeGemm, NoRowsWritesNothing) {
   TESSERA_REQUIRE_GPU();
@@ -904,6 +987,48 @@ TEST(GpuMoeCombine, AgainstTheReference) {
       }
     }
   }
+}
+
+// inverse is device data the host cannot check: entries outside [0, rows of expert_out) (past
+// the end, INT32_MAX, any negative) are skipped like a dropped copy (-1), never read. Small
+// integers and power-of-two weights: the sums are exact.
+TEST(GpuMoeCombine, InverseOutsideExpertOutIsSkipped) {
+  TESSERA_REQUIRE_GPU();
+  const int tokens = 4, top_k = 4, hidden = 64, rows = 8;
+  const std::vector<int32_t> inverse = {0, 8, 1, -1,            //
+                                        INT32_MAX, 2, -7, 3,    //
+                                        1000000, 8, INT32_MIN, 9,  //
+                                        7, 6, 5, 4};
+  std::vector<float> weights(size_t(tokens) * top_k);
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = 0.25f * float(1 + i % 4);
+  std::vector<uint16_t> y_bits(size_t(rows) * hidden);
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < hidden; ++j) y_bits[size_t(r * hidden + j)] = to_bits(float((r * 7 + j) % 9 - 4), DType::kBF16);
+  DeviceBuffer d_y(y_bits.size() * 2), d_inv(inverse.size() * 4), d_w(weights.size() * 4), d_out(size_t(tokens) * hidden * 2);
+  d_y.upload(y_bits);
+  d_inv.upload(inverse);
+  d_w.upload(weights);
+  d_out.poison();
+  MoeCombineArgs a;
+  a.expert_out = TensorView::contiguous(d_y.get(), DType::kBF16, {rows, hidden});
+  a.inverse = TensorView::contiguous(d_inv.get(), DType::kInt32, {tokens, top_k});
+  a.topk_weights = TensorView::contiguous(d_w.get(), DType::kFP32, {tokens, top_k});
+  a.out = TensorView::contiguous(d_out.get(), DType::kBF16, {tokens, hidden});
+  moe_combine(a, nullptr);
+  sync(nullptr, "moe_combine");
+  const auto bits = d_out.download<uint16_t>(size_t(tokens) * hidden);
+  int64_t wrong = 0;
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < hidden; ++j) {
+      double want = 0;
+      for (int q = 0; q < top_k; ++q) {
+        const int32_t r = inverse[size_t(t * top_k + q)];
+        if (r >= 0 && r < rows) want += double(weights[size_t(t * top_k + q)]) * from_bits(y_bits[size_t(r * hidden + j)], DType::kBF16);
+      }
+      wrong += double(output_value(bits[size_t(t * hidden + j)], DType::kBF16)) != want;
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "elements differing from the sum over the in-range copies";
 }
 
 TEST(GpuMoeCombine, ArgumentsAreValidated) {

@@ -24,4 +24,11 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return r;
 }
 
+// One fp32 value rounded to T (__nv_bfloat16 or __half), round to nearest even.
+template <typename T>
+__device__ __forceinline__ T round_half(float x) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) return __float2bfloat16_rn(x);
+  else return __float2half_rn(x);
+}
+
 }  // namespace tessera::kernels

@@ -109,8 +109,6 @@ __device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, Mbarrier* ba
       : "memory");
 }
 
-// Ordinary shared-memory writes of this thread become visible to later async-proxy reads
-// (tensor cores, copy engine) once the reader has synchronised with this thread.
 __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1,
                                             int c2, int c3) {
   asm volatile(
@@ -120,6 +118,56 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, Mbarrier* ba
       : "memory");
 }
 
+// Stores: a 2-D box of shared memory at `src` (the layout the map's swizzle names) into `map` at
+// (c0, c1); elements past the tensor's dims are not written. Issued by the threads where `pred`
+// holds, predicated inside the instruction (see Mbarrier::arrive_if: no divergent branch between
+// wgmma issues). Each issuing thread tracks its stores in bulk groups: commit closes a group,
+// wait_read<N> returns once at most N of its groups still read shared memory (the buffer may be
+// rewritten), wait_all<0> once they are all written.
+__device__ __forceinline__ void tma_store_2d_if(bool pred, const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%1, {%3, %4}], [%2];\n"
+      "}\n" ::"r"(int(pred)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_if(bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.bulk.commit_group;\n"
+      "}\n" ::"r"(int(pred))
+      : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read_if(bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.bulk.wait_group.read %1;\n"
+      "}\n" ::"r"(int(pred)),
+      "n"(kPending)
+      : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_all_if(bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.bulk.wait_group %1;\n"
+      "}\n" ::"r"(int(pred)),
+      "n"(kPending)
+      : "memory");
+}
+
+// Ordinary shared-memory writes of this thread become visible to later async-proxy reads
+// (tensor cores, copy engine) once the reader has synchronised with this thread.
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

@@ -32,6 +32,10 @@ struct GroupedGemmParams {
   // Host-side hint for the tile shape: the expected rows per expert (entries / experts); the
   // kernel reads the real segment sizes on the device.
   int64_t expected_rows_per_expert = 0;
+  // The Hopper kernel's token rows per tile (16, 32, 64: swapped; 128), or 0 for its rule from
+  // expected_rows_per_expert; set only to measure the shapes against each other (a benchmark or
+  // test forcing one through dispatch::force_moe_gemm_token_rows). The portable kernel has one.
+  int token_rows = 0;
 };
 constexpr int kMaxGemmExperts = 1024;
 
@@ -45,9 +49,12 @@ void launch_grouped_gemm_sm80(const GroupedGemmParams& p, int num_sms, cudaStrea
 // out[t, :] = sum_j weights[t, j] y[inverse[t, j], :] (+ shared[t, :]); fp32 sums in j order.
 struct CombineParams {
   DType dtype = DType::kBF16;
-  const void* y = nullptr;  // [rows, hidden]
+  const void* y = nullptr;  // [y_rows, hidden]
   int64_t y_stride = 0;
-  const int32_t* inverse = nullptr;  // [tokens, top_k], -1 = dropped
+  int64_t y_rows = 0;
+  // [tokens, top_k], -1 = dropped; device data the host cannot check, so a row outside
+  // [0, y_rows) is skipped like a dropped copy (never read out of bounds)
+  const int32_t* inverse = nullptr;
   const float* weights = nullptr;    // [tokens, top_k]
   const void* shared = nullptr;      // optional [tokens, hidden]
   int64_t shared_stride = 0;

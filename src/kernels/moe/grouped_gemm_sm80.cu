@@ -30,6 +30,7 @@
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/moe/grouped_gemm_params.h"
 #include "kernels/moe/grouped_tiles.cuh"
+#include "kernels/moe/swiglu.cuh"
 #include "tessera/error.h"
 
 namespace tessera::kernels::moe {
@@ -252,8 +253,6 @@ __device__ void mainloop(const GroupedGemmParams& p, const GemmTile& tile, T* sm
   }
 }
 
-__device__ float silu_times(float gate, float up) { return gate / (1.f + expf(-gate)) * up; }
-
 // Writes the warp's accumulators: rows past the segment and columns past the output are skipped.
 template <typename T, GemmEpilogue kEpilogue>
 __device__ void epilogue(const GroupedGemmParams& p, const GemmTile& tile, const WarpTile& warp, unsigned lane,
@@ -277,8 +276,8 @@ __device__ void epilogue(const GroupedGemmParams& p, const GemmTile& tile, const
           const int col = n0 + warp.block_col(j) + 2 * t;
           if (col < out_cols) {
             *reinterpret_cast<uint32_t*>(out_row + col) =
-                pack2<T>(silu_times(v[j][2 * half], v[j + 4][2 * half]),
-                         silu_times(v[j][2 * half + 1], v[j + 4][2 * half + 1]));
+                pack2<T>(swiglu(v[j][2 * half], v[j + 4][2 * half]),
+                         swiglu(v[j][2 * half + 1], v[j + 4][2 * half + 1]));
           }
         }
       } else {

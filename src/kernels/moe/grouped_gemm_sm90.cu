@@ -5,7 +5,8 @@
 // a tile is kTokenRows rows of `a` against kWeightRows rows of the expert's weights, over K in
 // 64-wide steps (one 128-byte swizzle row). Two shapes (notes/moe.md):
 //   - many rows per expert (compute-bound): 128 token rows (64 per consumer) x 256 weight rows,
-//     wgmma A = the token tile, B = the weight tile, 4 stages of 48 KB;
+//     wgmma A = the token tile, B = the weight tile, 3 stages of 48 KB; each consumer's output rows
+//     leave through a shared-memory tile and TMA stores that overlap its next tile's products;
 //   - few rows per expert (decode; weight-bandwidth-bound): the product is swapped, C^T = W a^T,
 //     wgmma A = 128 weight rows (64 per consumer), B = a token tile of 16 / 32 / 64 rows (wgmma's
 //     N), 8 stages, so each touched expert's weights stream once with little wasted work.
@@ -19,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "core/cuda_check.h"
@@ -27,7 +29,9 @@
 #include "kernels/moe/grouped_gemm_params.h"
 #include "kernels/common/pack_half2.cuh"
 #include "kernels/common/tma_sm90.cuh"
+#include "kernels/common/warp_uniform.cuh"
 #include "kernels/common/wgmma_sm90.cuh"
+#include "kernels/moe/swiglu.cuh"
 #include "kernels/moe/grouped_tiles.cuh"
 #include "tessera/error.h"
 
@@ -35,9 +39,14 @@ namespace tessera::kernels::moe {
 namespace {
 using namespace tessera::kernels::sm90;
 
-template <bool kSwapT, int kTokenRowsT, int kWeightRowsT, int kStagesT, GemmEpilogue kEpilogueT>
+template <bool kSwapT, int kTokenRowsT, int kWeightRowsT, int kStagesT, GemmEpilogue kEpilogueT,
+          bool kStoreViaSmemT = false>
 struct GemmSm90Config {
   static constexpr bool kSwap = kSwapT;             // wgmma's A operand is the weight tile
+  // Not swapped: a consumer's 64 full rows go out through shared memory and TMA stores that run
+  // on while it starts the next tile (partial row tiles: straight from registers).
+  static constexpr bool kStoreViaSmem = kStoreViaSmemT;
+  static_assert(!kStoreViaSmem || !kSwap, "the swapped shape stores from registers");
   static constexpr int kTokenRows = kTokenRowsT;    // rows of `a` per tile
   static constexpr int kWeightRows = kWeightRowsT;  // rows of w per tile (gate + up with SwiGLU)
   static constexpr int kStages = kStagesT;
@@ -62,12 +71,15 @@ struct GemmSm90Smem {
   using XTile = Sw128Tile<T, C::kTokenRows, C::kBlockK>;  // rows of a
   using WTile = Sw128Tile<T, C::kWeightRows, C::kBlockK>;  // rows of w
   using Tiles = GroupedTiles<C::kTokenRows, C::kThreads>;
+  using OutTile = Sw128Tile<T, 64, C::kOutCols>;  // one consumer's rows of the output tile
   static constexpr int kStageBytes = XTile::kBytes + WTile::kBytes;
+  static constexpr int kOutOffset = C::kStages * kStageBytes;
+  static constexpr int kOutBytes = C::kStoreViaSmem ? C::kConsumers * OutTile::kBytes : 0;
   // Swapped SwiGLU: the up consumer's accumulators for the gate consumer (padded rows: fewer bank
   // conflicts).
   static constexpr int kExchangeStride = C::kTokenRows + 4;
   static constexpr int kExchangeBytes = C::kSwap && C::kSwiGLU ? 64 * kExchangeStride * 4 : 0;
-  static constexpr int kExchangeOffset = C::kStages * kStageBytes;
+  static constexpr int kExchangeOffset = kOutOffset + kOutBytes;
   static constexpr int kBarrierOffset = kExchangeOffset + kExchangeBytes;
   struct Barriers {
     Mbarrier full[C::kStages], empty[C::kStages];
@@ -76,6 +88,7 @@ struct GemmSm90Smem {
   static constexpr int kScanOffset = kTilesOffset + Tiles::kSmemBytes;
   static constexpr int kAlignment = 1024;  // of the swizzled tiles
   static constexpr int kBytes = kScanOffset + int(sizeof(typename Tiles::Scan::TempStorage)) + kAlignment;
+  static_assert(kBytes <= 227 * 1024, "shared memory of one sm_90 block");
 
   unsigned char* base;
   __device__ explicit GemmSm90Smem(unsigned char* raw)
@@ -83,6 +96,7 @@ struct GemmSm90Smem {
                                               ~uintptr_t(kAlignment - 1))) {}
   __device__ XTile x(int stage) const { return XTile{base + stage * kStageBytes}; }
   __device__ WTile w(int stage) const { return WTile{base + stage * kStageBytes + XTile::kBytes}; }
+  __device__ OutTile out(int consumer) const { return OutTile{base + kOutOffset + consumer * OutTile::kBytes}; }
   __device__ float* exchange() const { return reinterpret_cast<float*>(base + kExchangeOffset); }
   __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
   __device__ int* tiles() const { return reinterpret_cast<int*>(base + kTilesOffset); }
@@ -95,11 +109,10 @@ struct GemmSm90Params {
   GroupedGemmParams base;
   CUtensorMap x_map;  // a: dims (K, rows), box 64 x kTokenRows
   CUtensorMap w_map;  // w: dims (K, N, E), box 64 x kWeightBoxRows x 1
+  CUtensorMap out_map;  // out: dims (output columns, rows), box 64 x 64 (kStoreViaSmem only)
   int n_tiles;        // column tiles per expert
   int k_blocks;       // 64-wide K steps
 };
-
-__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 // The producer warp: every tile's K steps, a's box and w's box (or gate and up boxes) per stage.
 template <typename T, typename C>
@@ -182,6 +195,17 @@ struct GemmConsumer {
     bar.empty[previous].arrive_if(lane == 0);
   }
 
+  // A tile none of whose rows are this warpgroup's: its stages are released unread, and the other
+  // consumer has the tensor cores alone (see the caller for when).
+  __device__ void skip_tile() {
+    auto& bar = smem.barriers();
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      bar.full[ring.stage].wait(ring.phase);
+      bar.empty[ring.stage].arrive_if(lane == 0);
+      ring.advance();
+    }
+  }
+
   // Not swapped: this lane's rows are token rows, its columns weight rows.
   __device__ void store(const AccTile<C::kAccCols>& acc, const GroupedTile& t) const {
     T* out = static_cast<T*>(p.base.out);
@@ -200,7 +224,7 @@ struct GemmConsumer {
           if (col >= out_cols) continue;
           const float g0 = acc.v[j][2 * r], g1 = acc.v[j][2 * r + 1];
           const float u0 = acc.v[j + kBlocks / 2][2 * r], u1 = acc.v[j + kBlocks / 2][2 * r + 1];
-          *reinterpret_cast<uint32_t*>(out_row + col) = pack_half2<T>(silu(g0) * u0, silu(g1) * u1);
+          *reinterpret_cast<uint32_t*>(out_row + col) = pack_half2<T>(swiglu(g0, u0), swiglu(g1, u1));
         }
       } else {
 #pragma unroll
@@ -211,6 +235,49 @@ struct GemmConsumer {
         }
       }
     }
+  }
+
+  // Not swapped, this consumer's 64 rows all inside the segment: the rows go into its output
+  // tile in shared memory (the 128-byte swizzle the map names: 16-byte chunk (col / 8) ^ (row % 8)
+  // of the row, so the 8 row groups of a warp's 4-byte writes hit 32 different banks), then one
+  // thread stores it with TMA, which runs on while the consumer starts its next tile.
+  __device__ void store_via_smem(const AccTile<C::kAccCols>& acc, const GroupedTile& t) const {
+    const typename Smem::OutTile tile = smem.out(consumer);
+    const bool leader = threadIdx.x % 128 == 0;
+    const int barrier = 3 + consumer;  // 1 and 2: the swapped shape's exchange
+    bulk_wait_read_if<0>(leader);      // this consumer's previous tile has left the buffer
+    named_barrier_sync(barrier, 128);
+    const int g = lane / 4, q = lane % 4;
+    constexpr int kBlocks = AccTile<C::kAccCols>::kBlocks;
+    constexpr int kOutBlocks = C::kSwiGLU ? kBlocks / 2 : kBlocks;  // 8-column blocks of output
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * warp + g + 8 * r;  // row % 8 == g
+#pragma unroll
+      for (int j = 0; j < kOutBlocks; ++j) {
+        uint32_t packed;
+        if constexpr (C::kSwiGLU) {
+          packed = pack_half2<T>(swiglu(acc.v[j][2 * r], acc.v[j + kBlocks / 2][2 * r]),
+                                 swiglu(acc.v[j][2 * r + 1], acc.v[j + kBlocks / 2][2 * r + 1]));
+        } else {
+          packed = pack_half2<T>(acc.v[j][2 * r], acc.v[j][2 * r + 1]);
+        }
+        unsigned char* chunk = tile.block(j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * q;
+        *reinterpret_cast<uint32_t*>(chunk) = packed;
+      }
+    }
+    fence_async_shared();
+    named_barrier_sync(barrier, 128);
+#pragma unroll
+    for (int b = 0; b < C::kOutCols / 64; ++b) {
+      tma_store_2d_if(leader, &p.out_map, tile.block(b), t.col0 + 64 * b, t.row0 + 64 * consumer);
+    }
+    bulk_commit_if(leader);
+  }
+
+  // Before the CTA exits: its stores have left shared memory and been written.
+  __device__ void finish_stores() const {
+    if constexpr (C::kStoreViaSmem) bulk_wait_all_if<0>(threadIdx.x % 128 == 0);
   }
 
   // Swapped: this lane's rows are weight rows (output columns), its columns token rows.
@@ -242,7 +309,7 @@ struct GemmConsumer {
           const int tok = 8 * j + 2 * q + (e & 1);
           const float u = exchange[local_col * kStride + tok];
           const int row = t.row0 + tok, col = t.col0 + local_col;
-          if (row < t.row_end && col < out_cols) out[int64_t(row) * p.base.out_stride + col] = from_float<T>(silu(acc.v[j][e]) * u);
+          if (row < t.row_end && col < out_cols) out[int64_t(row) * p.base.out_stride + col] = round_half<T>(swiglu(acc.v[j][e], u));
         }
       }
       named_barrier_sync(2, 256);
@@ -253,22 +320,13 @@ struct GemmConsumer {
         for (int e = 0; e < 4; ++e) {
           const int col = t.col0 + 64 * consumer + 16 * warp + g + 8 * (e / 2);
           const int row = t.row0 + 8 * j + 2 * q + (e & 1);
-          if (row < t.row_end && col < p.base.n) out[int64_t(row) * p.base.out_stride + col] = from_float<T>(acc.v[j][e]);
+          if (row < t.row_end && col < p.base.n) out[int64_t(row) * p.base.out_stride + col] = round_half<T>(acc.v[j][e]);
         }
       }
     }
   }
 
-  __device__ static float silu(float x) { return x / (1.f + __expf(-x)); }
-  template <typename U>
-  __device__ static U from_float(float x);
 };
-template <typename T, typename C>
-template <typename U>
-__device__ U GemmConsumer<T, C>::from_float(float x) {
-  if constexpr (std::is_same<U, __nv_bfloat16>::value) return __float2bfloat16(x);
-  else return __float2half(x);
-}
 
 template <typename T, typename C>
 __global__ void __launch_bounds__(C::kThreads, 1) grouped_gemm_sm90_kernel(const __grid_constant__ GemmSm90Params p) {
@@ -300,11 +358,29 @@ __global__ void __launch_bounds__(C::kThreads, 1) grouped_gemm_sm90_kernel(const
       t.row0 = warp_uniform(t.row0);
       t.row_end = warp_uniform(t.row_end);
       t.col0 = warp_uniform(t.col0);
+      t.row_tiles = warp_uniform(t.row_tiles);
+      // Not swapped, each consumer owns 64 of the tile's token rows; a segment of <= 64 rows leaves
+      // consumer 1 nothing, and it skips the products (Qwen3 T1024 up, ~64 rows an expert: +22%
+      // over the swapped 64-row tiles). Only where the tile is the whole segment: the last tile of
+      // a longer segment runs beside its sibling row tiles on other SMs, which read the same weight
+      // tile from L2 in step with it; finishing early breaks that step and their weight reads go to
+      // DRAM (measured: skipping there cost 21% on DeepSeek-V3 T8192 up, 6% down, 11% Mixtral
+      // T1024 up; notes/moe.md).
+      if (!C::kSwap && t.row_tiles == 1 && t.row0 + 64 * (warpgroup - 1) >= t.row_end) {
+        consumer.skip_tile();
+        continue;
+      }
       AccTile<C::kAccCols> acc;
       consumer.mainloop(acc);
-      if constexpr (C::kSwap) consumer.store_swapped(acc, t);
-      else consumer.store(acc, t);
+      if constexpr (C::kSwap) {
+        consumer.store_swapped(acc, t);
+      } else if (C::kStoreViaSmem && t.row0 + 64 * warpgroup <= t.row_end) {
+        consumer.store_via_smem(acc, t);
+      } else {
+        consumer.store(acc, t);
+      }
     }
+    consumer.finish_stores();
   }
 }
 
@@ -334,6 +410,14 @@ void launch_config(const GroupedGemmParams& base, int num_sms, cudaStream_t stre
             " elements",
         dtype, 3, base.w, dims, strides, box);
   }
+  if constexpr (C::kStoreViaSmem) {
+    const int64_t out_cols = C::kSwiGLU ? base.n / 2 : base.n;
+    const uint64_t dims[2] = {uint64_t(out_cols), uint64_t(std::max<int64_t>(base.rows, 1))};
+    const uint64_t strides[1] = {uint64_t(base.rows <= 1 ? out_cols : base.out_stride) * 2};
+    const uint32_t box[2] = {64, 64};
+    p.out_map = sm90::encode_tensor_map_16bit("out", "row stride " + std::to_string(base.out_stride) + " elements",
+                                              dtype, 2, base.out, dims, strides, box);
+  }
   auto kernel = grouped_gemm_sm90_kernel<T, C>;
   static tessera::detail::OncePerDevice smem_limit_raised;
   smem_limit_raised([&] {
@@ -343,14 +427,28 @@ void launch_config(const GroupedGemmParams& base, int num_sms, cudaStream_t stre
   TESSERA_CUDA_CHECK(cudaGetLastError());
 }
 
-// The tile shape by the expected rows per expert (measured: notes/moe.md).
+// The tile shape (unless forced) by an estimate of the LARGEST segment, mean + 2 sqrt(mean): under
+// random routing the segments spread by about sqrt(mean), so a tile sized for the mean takes two
+// tiles on most experts (Mixtral T128, 32 rows a mean: 64-row tiles +3-5% over 32; Qwen3 T1024,
+// 64 a mean: the 128-row shape +22% on up over 64-row swapped tiles, even on down; measured,
+// notes/moe.md). In the bandwidth-bound regime a larger tile costs little: 64-row tiles within
+// 1% of 32 on the balanced 32-row case.
+int token_rows_for(const GroupedGemmParams& p) {
+  if (p.token_rows != 0) return p.token_rows;
+  const double mean = double(p.expected_rows_per_expert);
+  const double largest = mean + 2.0 * std::sqrt(mean);
+  return largest <= 16 ? 16 : largest <= 32 ? 32 : largest <= 64 ? 64 : 128;
+}
+
 template <typename T, GemmEpilogue kEpilogue>
 void launch_typed(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
-  const int64_t rows = p.expected_rows_per_expert;
+  const int rows = token_rows_for(p);
   if (rows <= 16) launch_config<T, GemmSm90Config<true, 16, 128, 8, kEpilogue>>(p, num_sms, stream);
   else if (rows <= 32) launch_config<T, GemmSm90Config<true, 32, 128, 8, kEpilogue>>(p, num_sms, stream);
   else if (rows <= 64) launch_config<T, GemmSm90Config<true, 64, 128, 8, kEpilogue>>(p, num_sms, stream);
-  else launch_config<T, GemmSm90Config<false, 128, 256, 4, kEpilogue>>(p, num_sms, stream);
+  // 3 stages: the output tiles take the fourth's shared memory (TMA-store epilogue with 3 stages
+  // against registers with 4, same run: +5-29% on every compute-bound case; notes/moe.md).
+  else launch_config<T, GemmSm90Config<false, 128, 256, 3, kEpilogue, true>>(p, num_sms, stream);
 }
 
 }  // namespace

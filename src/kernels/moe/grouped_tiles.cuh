@@ -3,8 +3,10 @@
 // between replays).
 //
 // Expert e owns rows [lo[e], hi[e]) (expert_offsets, or all rows of a single expert when there are
-// none; clamped to [0, rows] so a bad offsets array
-// cannot send a tile outside the tensors); its tiles are m_tiles(e) = ceil((hi - lo) / kRows) row
+// none). The offsets are device data the host cannot check, so they are made safe here: clamped
+// to [0, rows] and made non-decreasing (lo[e] is the largest clamped offset up to e, hi[e] =
+// lo[e + 1]), so the segments never overlap, sum to at most `rows` and the tile count stays
+// within the host's bound however the array is broken; a valid array passes unchanged. its tiles are m_tiles(e) = ceil((hi - lo) / kRows) row
 // tiles times n_tiles column tiles, numbered expert by expert, row tiles fastest: CTAs that run at
 // the same time share an expert's weight tile (it stays in L2 while its row tiles pass). A CTA
 // builds the per-expert tile prefix in shared memory once (a block scan), then finds the expert of
@@ -14,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
+#include <cuda/functional>
 
 #include "kernels/moe/grouped_gemm_params.h"
 
@@ -23,6 +26,7 @@ struct GroupedTile {
   int expert;
   int row0, row_end;  // rows [row0, min(row0 + kRows, row_end)) of a / out
   int col0;           // first w row (output column) of the tile's column tile
+  int row_tiles;      // the segment's row tiles (1: this tile is the whole segment)
 };
 
 template <int kRows, int kThreads>
@@ -44,21 +48,30 @@ struct GroupedTiles {
   // Called by all kThreads threads; `scan` is the CUB scan's temporary storage. Ends with a CTA
   // barrier.
   __device__ void build(const int32_t* offsets, int64_t rows, typename Scan::TempStorage& scan) {
+    auto clamp = [rows](int32_t x) { return int(x < 0 ? 0 : int64_t(x) > rows ? rows : x); };
+    // lo[e] = max(clamp(offsets[0..e])): an inclusive max-scan (no offsets: one expert owning
+    // every row, a dense layer such as a shared expert).
+    int starts[kPerThread];
+#pragma unroll
+    for (int q = 0; q < kPerThread; ++q) {
+      const int e = threadIdx.x * kPerThread + q;
+      starts[q] = offsets != nullptr && e < num_experts ? clamp(offsets[e]) : 0;
+    }
+    Scan(scan).InclusiveScan(starts, starts, cuda::maximum<int>{});
     int counts[kPerThread];
 #pragma unroll
     for (int q = 0; q < kPerThread; ++q) {
       const int e = threadIdx.x * kPerThread + q;
       counts[q] = 0;
       if (e < num_experts) {
-        auto clamp = [rows](int32_t x) { return int(x < 0 ? 0 : int64_t(x) > rows ? rows : x); };
-        // No offsets: one expert owning every row (a dense layer, such as a shared expert).
-        const int a = offsets != nullptr ? clamp(offsets[e]) : 0;
+        const int a = starts[q];
         const int b = offsets != nullptr ? max(a, clamp(offsets[e + 1])) : int(rows);
         lo[e] = a;
         hi[e] = b;
         counts[q] = (b - a + kRows - 1) / kRows * n_tiles;
       }
     }
+    __syncthreads();  // the scan's temporary storage is reused
     int total;
     Scan(scan).ExclusiveSum(counts, counts, total);
 #pragma unroll
@@ -86,7 +99,7 @@ struct GroupedTiles {
     const int m_tiles = (hi[e] - lo[e] + kRows - 1) / kRows;
     const int n = local / m_tiles;
     const int m = local - n * m_tiles;
-    return GroupedTile{e, lo[e] + m * kRows, hi[e], n * cols_per_tile};
+    return GroupedTile{e, lo[e] + m * kRows, hi[e], n * cols_per_tile, m_tiles};
   }
 };
 

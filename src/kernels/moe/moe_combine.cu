@@ -5,7 +5,6 @@
 // still fills the GPU (a warp per token would give T = 16 sixteen warps). A token's inverse and
 // weights are read by all its threads, from L1 after the first; the y rows of up to kGroup copies
 // are loaded before any is summed, so a thread has kGroup x 16 bytes in flight.
-// Not measured yet.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -46,6 +45,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       for (int g = 0; g < kGroup; ++g) {
         const bool inside = first + g < p.top_k;
         row[g] = inside ? __ldg(inverse + first + g) : -1;
+        if (row[g] >= p.y_rows) row[g] = -1;  // outside y: treated as dropped (see CombineParams)
         weight[g] = inside ? __ldg(weights + first + g) : 0.f;
       }
       Vec8<T> rows[kGroup];

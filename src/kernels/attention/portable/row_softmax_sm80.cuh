@@ -54,8 +54,12 @@ struct RowSoftmax {
                                               bool& moved) {
     // A row with nothing visible yet keeps max -inf; its exponent offset is 0.
     const float m_scaled = m == -INFINITY ? 0.f : m * log2_scale;
-    rescale = exp2_approx(row_max[mt][r] * log2_scale - m_scaled);
-    moved |= m > row_max[mt][r];
+    // Exactly 1 when the maximum stayed: exp2 of (old - new) * c computed by an fma carries the
+    // rounding residual of the product (+-64 logit units at |logit| ~ 1e9), and the caller skips
+    // O's rescale when no row moved, so a factor != 1 here would rescale l without O.
+    const bool moved_here = m > row_max[mt][r];
+    rescale = moved_here ? exp2_approx(row_max[mt][r] * log2_scale - m_scaled) : 1.f;
+    moved |= moved_here;
     row_max[mt][r] = m;
     return m_scaled;
   }

@@ -18,14 +18,9 @@
 
 #include "kernels/attention/sm90/prefill_sm90_params.h"
 #include "kernels/common/tma_sm90.cuh"
+#include "kernels/common/warp_uniform.cuh"
 
 namespace tessera::kernels::sm90 {
-
-// A value every lane of the warp holds, as lane 0's: the compiler then knows it is uniform. Every
-// branch of the consumers' tile loop must be uniform in its eyes, or ptxas serialises all their
-// wgmma ("C7520: wgmma.mma_async instructions are serialized due to ... divergent path"): loop
-// bounds read from memory count as divergent unless they pass through a shuffle.
-__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 // A KV source is used in two steps per tile, so the paged page-id loads of the next tile can be in
 // flight while the producer waits for ring slots (each lookup is a dependent global load):
