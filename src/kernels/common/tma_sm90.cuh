@@ -134,6 +134,17 @@ __device__ __forceinline__ void tma_store_2d_if(bool pred, const CUtensorMap* ma
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1)
       : "memory");
 }
+__device__ __forceinline__ void tma_store_3d_if(bool pred, const CUtensorMap* map, const void* src, int c0, int c1,
+                                                int c2) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %0, 0;\n"
+      "@p cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%1, {%3, %4, %5}], [%2];\n"
+      "}\n" ::"r"(int(pred)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
 __device__ __forceinline__ void bulk_commit_if(bool pred) {
   asm volatile(
       "{\n"

@@ -43,6 +43,9 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_HD128_STAGES
 #define TESSERA_SM90_HD128_STAGES 2
 #endif
+#ifndef TESSERA_SM90_O_VIA_SMEM
+#define TESSERA_SM90_O_VIA_SMEM 1
+#endif
 
 template <int kHeadDimT>
 struct PrefillSm90Config {
@@ -64,6 +67,11 @@ struct PrefillSm90Config {
   // last P V) measure even with one at hd128 (v4, same run: 8K 668 vs 667, 1K causal 329 vs 332
   // TFLOP/s; v2's 0.89x was likely the C7520 serialisation), so one: less shared memory.
   static constexpr int kQStages = TESSERA_SM90_Q_STAGES;
+  // O of a consumer's 64 full rows leaves through a shared-memory tile and TMA stores that run on
+  // while the consumer starts its next work tile (rows past qo_len, and an o the copy engine
+  // cannot describe, from registers). hd256 has no room for it (Q 64 KB + 4 x 40 KB of K / V at
+  // the 227 KB limit): registers.
+  static constexpr bool kStoreOViaSmem = kHeadDim != 256 && TESSERA_SM90_O_VIA_SMEM != 0;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
@@ -72,7 +80,8 @@ struct PrefillSm90Config {
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
 };
 
-// The dynamic shared memory of one CTA: the Q tile, the K and V rings and their barriers.
+// The dynamic shared memory of one CTA: the Q tile, the K and V rings, the consumers' O tiles
+// (kStoreOViaSmem) and the barriers.
 template <typename T, typename Config>
 struct PrefillSm90Smem {
   using QTile = Sw128Tile<T, Config::kBlockM, Config::kHeadDim>;
@@ -82,7 +91,10 @@ struct PrefillSm90Smem {
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + kQStages * QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KVTile::kBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * KVTile::kBytes;
+  using OTile = Sw128Tile<T, 64, Config::kHeadDim>;  // one consumer's 64 rows of O
+  static constexpr int kOOffset = kVOffset + kStages * KVTile::kBytes;
+  static constexpr int kOBytes = Config::kStoreOViaSmem ? Config::kConsumers * OTile::kBytes : 0;
+  static constexpr int kBarrierOffset = kOOffset + kOBytes;
   struct Barriers {
     Mbarrier q_full[kQStages], q_empty[kQStages];
     Mbarrier k_full[kStages], k_empty[kStages];
@@ -92,6 +104,7 @@ struct PrefillSm90Smem {
   static constexpr int kAlignment = 1024;  // of the swizzled tiles
   // Requested from the launch: the layout plus the slack that aligns the dynamic base.
   static constexpr int kBytes = kBarrierOffset + int(sizeof(Barriers)) + kAlignment;
+  static_assert(kBytes <= 227 * 1024, "shared memory of one sm_90 block");
 
   unsigned char* base;
   __device__ explicit PrefillSm90Smem(unsigned char* raw)
@@ -100,6 +113,7 @@ struct PrefillSm90Smem {
   __device__ QTile q(int slot) const { return QTile{base + kQOffset + slot * QTile::kBytes}; }
   __device__ KVTile k(int stage) const { return KVTile{base + kKOffset + stage * KVTile::kBytes}; }
   __device__ KVTile v(int stage) const { return KVTile{base + kVOffset + stage * KVTile::kBytes}; }
+  __device__ OTile o(int consumer) const { return OTile{base + kOOffset + consumer * OTile::kBytes}; }
   __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
 };
 

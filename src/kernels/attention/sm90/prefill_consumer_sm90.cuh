@@ -113,18 +113,57 @@ struct PrefillConsumer {
     softmax.finish(inv_sum, lse);
     mul_row(o, inv_sum);
     const int g = lane / 4, t = lane % 4;
+    const int first_row = w.m0 + 64 * consumer;
+    bool via_smem = false;
+    if constexpr (Config::kStoreOViaSmem) via_smem = p.o_via_tma && first_row + 64 <= w.qo_len;
+    if (via_smem) store_o_via_smem(o, w, first_row);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = w.m0 + 64 * consumer + 16 * warp + g + 8 * r;
+      const int row = first_row + 16 * warp + g + 8 * r;
       if (row >= w.qo_len) continue;
       const int64_t q_row = int64_t(w.q_start) + row;
-      T* dst = static_cast<T*>(p.base.o) + q_row * p.base.o_stride_row + int64_t(w.head) * p.base.o_stride_head;
+      if (!via_smem) {
+        T* dst = static_cast<T*>(p.base.o) + q_row * p.base.o_stride_row + int64_t(w.head) * p.base.o_stride_head;
 #pragma unroll
-      for (int j = 0; j < OTile::kBlocks; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
+        for (int j = 0; j < OTile::kBlocks; ++j)
+          *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
+      }
       if (p.base.lse != nullptr && t == 0)
         p.base.lse[q_row * p.base.lse_stride_row + int64_t(w.head) * p.base.lse_stride_head] = lse[r];
     }
+  }
+
+  // This consumer's 64 rows, all inside the request: into its O tile in shared memory (the
+  // 128-byte swizzle of the map: 16-byte chunk (col / 8) ^ (row % 8), so a warp's 4-byte writes
+  // hit 32 banks), then one thread stores the tile's 64-column blocks with TMA, which run on while
+  // the consumer starts its next work tile. The previous tile's stores must have left the buffer.
+  static constexpr int kStoreBarrier = kTurnBarrier + Config::kConsumers;  // + consumer
+  __device__ void store_o_via_smem(const OTile& o, const WorkTile& w, int first_row) const {
+    const typename Smem::OTile tile = smem.o(consumer);
+    const bool leader = threadIdx.x % 128 == 0;
+    bulk_wait_read_if<0>(leader);
+    named_barrier_sync(kStoreBarrier + consumer, 128);
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * warp + g + 8 * r;  // row % 8 == g
+#pragma unroll
+      for (int j = 0; j < OTile::kBlocks; ++j) {
+        unsigned char* chunk = tile.block(j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
+        *reinterpret_cast<uint32_t*>(chunk) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
+      }
+    }
+    fence_async_shared();
+    named_barrier_sync(kStoreBarrier + consumer, 128);
+#pragma unroll
+    for (int b = 0; b < kHeadDim / 64; ++b)
+      tma_store_3d_if(leader, &p.o_map, tile.block(b), 64 * b, w.head, w.q_start + first_row);
+    bulk_commit_if(leader);
+  }
+
+  // Before the CTA exits: its O stores have left shared memory and been written.
+  __device__ void finish_stores() const {
+    if constexpr (Config::kStoreOViaSmem) bulk_wait_all_if<0>(threadIdx.x % 128 == 0);
   }
 
   __device__ void compute(const WorkTile& w) {

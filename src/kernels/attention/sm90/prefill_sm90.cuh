@@ -62,6 +62,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
       if (w.has_rows()) consumer.compute(w);
     }
     consumer.finish_turns();
+    consumer.finish_stores();
   }
 }
 
@@ -121,6 +122,7 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
     params.k_map = maps.k;
     params.v_map = maps.v;
   }
+  if constexpr (Config::kStoreOViaSmem) params.o_via_tma = output_tensor_map(dtype_of<T>(), base, kHeadDim, &params.o_map);
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
   const int grid = persistent ? std::min(runs, num_sms) : params.tiles;

@@ -88,4 +88,17 @@ RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int hea
   return maps;
 }
 
+bool output_tensor_map(DType dtype, const PrefillParams& p, int head_dim, CUtensorMap* map) {
+  const int64_t esize = 2;
+  auto describable = [](int64_t extent, int64_t stride_bytes) {
+    return extent <= 1 || (stride_bytes > 0 && stride_bytes % 16 == 0 && stride_bytes < (int64_t(1) << 40));
+  };
+  if (reinterpret_cast<uintptr_t>(p.o) % 16 != 0 || !describable(p.num_qo_heads, p.o_stride_head * esize) ||
+      !describable(p.q_rows, p.o_stride_row * esize)) {
+    return false;
+  }
+  *map = ragged_map("o", dtype, p.o, p.q_rows, p.num_qo_heads, head_dim, p.o_stride_row, p.o_stride_head, 64);
+  return true;
+}
+
 }  // namespace tessera::kernels::sm90

@@ -35,4 +35,10 @@ struct PagedTensorMaps {
 PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                   int kv_tile_rows);
 
+// o as a 3-D map for TMA stores (as q's: innermost head_dim, heads, rows; boxes of 64 x 1 x 64),
+// into *map. Returns false, leaving *map alone, when the copy engine cannot write o: a base not
+// 16-byte aligned, or a row / head stride (of a dim with more than one element) that is not a
+// multiple of 16 bytes or not below 2^40 bytes. The kernel then stores O from registers.
+bool output_tensor_map(DType dtype, const PrefillParams& p, int head_dim, CUtensorMap* map);
+
 }  // namespace tessera::kernels::sm90
