@@ -366,6 +366,7 @@ void BatchDecoder::run(const TensorView& q, const PagedKVCache& cache, const Pag
   p.v_stride_token = static_cast<int32_t>(cache.v_pages.stride[nhd ? 1 : 2]);
   p.v_stride_head = static_cast<int32_t>(cache.v_pages.stride[nhd ? 2 : 1]);
   p.kv_indices = static_cast<const int32_t*>(table.indices.data);
+  p.num_pages = cache.num_pages();
   p.page_size = c.page_size;
   const detail::FastDivisor div = detail::fast_divisor(static_cast<uint32_t>(c.page_size));
   p.page_magic = div.magic;

@@ -158,6 +158,7 @@ void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
   p.append_indptr = static_cast<const int32_t*>(append_indptr.data);
   p.kv_indptr = static_cast<const int32_t*>(table.indptr.data);
   p.kv_indices = static_cast<const int32_t*>(table.indices.data);
+  p.num_pages = cache.num_pages();
   p.kv_last_page_len = static_cast<const int32_t*>(table.last_page_len.data);
   p.batch_size = static_cast<int>(batch);
   p.nnz = nnz;

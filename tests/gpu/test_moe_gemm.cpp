@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -1029,6 +1031,58 @@ TEST(GpuMoeCombine, InverseOutsideExpertOutIsSkipped) {
     }
   }
   EXPECT_EQ(wrong, 0) << "elements differing from the sum over the in-range copies";
+}
+
+// With the device checks compiled in (TESSERA_DEVICE_CHECKS, a Debug build), a broken device
+// array is reported instead of made safe: the kernel traps. Each case runs in a child process (a
+// trap ends the CUDA context); the child prints the CUDA error to stderr and exits 3.
+TEST(GpuDeviceChecks, BrokenDeviceDataTraps) {
+  TESSERA_REQUIRE_GPU();
+#if !TESSERA_DEVICE_CHECKS
+  GTEST_SKIP() << "the kernels were built without TESSERA_DEVICE_CHECKS (release build)";
+#else
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto expect_trap = [](auto&& launch) {
+    EXPECT_EXIT(
+        {
+          launch();
+          const cudaError_t err = cudaDeviceSynchronize();
+          std::fprintf(stderr, "cuda: %s\n", cudaGetErrorName(err));
+          std::exit(err == cudaSuccess ? 0 : 3);
+        },
+        ::testing::ExitedWithCode(3), "cuda: cudaError");
+  };
+  // moe_combine: an inverse entry past expert_out's rows.
+  expect_trap([] {
+    const int tokens = 2, top_k = 2, hidden = 64, rows = 4;
+    DeviceBuffer y(size_t(rows) * hidden * 2), inv(size_t(tokens) * top_k * 4), w(size_t(tokens) * top_k * 4),
+        out(size_t(tokens) * hidden * 2);
+    y.upload(std::vector<uint16_t>(size_t(rows) * hidden, 0x3F80));
+    inv.upload(std::vector<int32_t>{0, 1, 2, 7});
+    w.upload(std::vector<float>(size_t(tokens) * top_k, 1.f));
+    MoeCombineArgs a;
+    a.expert_out = TensorView::contiguous(y.get(), DType::kBF16, {rows, hidden});
+    a.inverse = TensorView::contiguous(inv.get(), DType::kInt32, {tokens, top_k});
+    a.topk_weights = TensorView::contiguous(w.get(), DType::kFP32, {tokens, top_k});
+    a.out = TensorView::contiguous(out.get(), DType::kBF16, {tokens, hidden});
+    moe_combine(a, nullptr);
+    cudaDeviceSynchronize();  // inside the child: the buffers outlive the kernel
+  });
+  // moe_grouped_gemm: expert offsets that go down.
+  expect_trap([] {
+    const int experts = 4, k = 64, n = 64, rows = 64;
+    DeviceBuffer a(size_t(rows) * k * 2), w(size_t(experts) * n * k * 2), off(size_t(experts + 1) * 4),
+        out(size_t(rows) * n * 2);
+    off.upload(std::vector<int32_t>{0, 32, 16, 48, 64});
+    MoeGroupedGemmArgs g;
+    g.a = TensorView::contiguous(a.get(), DType::kBF16, {rows, k});
+    g.weights = TensorView::contiguous(w.get(), DType::kBF16, {experts, n, k});
+    g.expert_offsets = TensorView::contiguous(off.get(), DType::kInt32, {experts + 1});
+    g.out = TensorView::contiguous(out.get(), DType::kBF16, {rows, n});
+    moe_grouped_gemm(g, nullptr);
+    cudaDeviceSynchronize();
+  });
+#endif
 }
 
 TEST(GpuMoeCombine, ArgumentsAreValidated) {

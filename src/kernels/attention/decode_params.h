@@ -49,6 +49,9 @@ struct DecodeParams {
   int window_left = -1;
   float scale = 0.f;
   float soft_cap = 0.f;
+  // Last, so that the fields the release kernels read keep their offsets: pages of k_pages /
+  // v_pages, read only by the device checks (device_check.cuh).
+  int64_t num_pages = 0;
 };
 
 // What the decoder needs to know about its kernel on the current GPU.

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.h"
+#include "kernels/common/device_check.cuh"
 #include "kernels/common/vec8.cuh"
 #include "kernels/kv_append/append_paged_kv.h"
 
@@ -43,6 +44,8 @@ __global__ void __launch_bounds__(kThreads) append_paged_kv_kernel(AppendPagedKV
     const int kv_len = (num_pages - 1) * p.page_size + __ldg(p.kv_last_page_len + req);
     const int pos = kv_len - num_new + (token - first_new);
     const int page = __ldg(p.kv_indices + page_begin + pos / p.page_size);
+    TESSERA_DEVICE_CHECK(page >= 0 && page < p.num_pages && pos >= 0,
+                         "a kv_indices page id (device copy) outside the cache, or a row before the request's first");
     const int slot = pos % p.page_size;
 
     const T* k_src = static_cast<const T*>(p.k_new) + token * p.k_new_stride_token +

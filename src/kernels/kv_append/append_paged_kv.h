@@ -29,6 +29,9 @@ struct AppendPagedKVParams {
   const int32_t* kv_last_page_len = nullptr;  // [batch]
   int batch_size = 0;
   int64_t nnz = 0;  // new rows in all
+  // Last, so that the fields the release kernel reads keep their offsets: pages of k_pages /
+  // v_pages, read only by the device checks (device_check.cuh).
+  int64_t num_pages = 0;
 };
 
 // dtype: bf16 or fp16 (the page dtype). Validated by the caller.

@@ -303,6 +303,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) grouped_gemm_sm80_kernel
   Tiles tiles(tiles_storage, p.num_experts, ColumnMap<kEpilogue>::n_tiles(p.n), 1);
   tiles.build(p.offsets, p.rows, scan_storage);  // ends with __syncthreads
   const unsigned lane = threadIdx.x % 32;
+  if (threadIdx.x < 32) Tiles::check_offsets(p.offsets, p.rows, p.num_experts, int(lane));
   const WarpTile warp(threadIdx.x / 32, lane);
   const int num_tiles = tiles.count();
   for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {

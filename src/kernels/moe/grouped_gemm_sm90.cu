@@ -126,6 +126,7 @@ __device__ void gemm_producer(const GemmSm90Params& p, const GemmSm90Smem<T, C>&
     prefetch_tensor_map(&p.x_map);
     prefetch_tensor_map(&p.w_map);
   }
+  GroupedTiles<C::kTokenRows, C::kThreads>::check_offsets(p.base.offsets, p.base.rows, p.base.num_experts, lane);
   const int half_n = p.base.n / 2;
   for (int id = blockIdx.x; id < tiles.count(); id += gridDim.x) {
     const GroupedTile t = tiles.at(id);

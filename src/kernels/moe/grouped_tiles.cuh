@@ -18,6 +18,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda/functional>
 
+#include "kernels/common/device_check.cuh"
 #include "kernels/moe/grouped_gemm_params.h"
 
 namespace tessera::kernels::moe {
@@ -84,6 +85,16 @@ struct GroupedTiles {
   }
 
   __device__ int count() const { return prefix[num_experts]; }
+
+  // With the device checks compiled in, a broken offsets array is reported (a trap) rather than
+  // made safe; called by one warp (the Hopper kernel's producer: see device_check.cuh, QUIET).
+  __device__ static __forceinline__ void check_offsets(const int32_t* offsets, int64_t rows, int experts, int lane) {
+    if (offsets == nullptr) return;
+    for (int e = lane; e < experts; e += 32) {
+      TESSERA_DEVICE_CHECK_QUIET(offsets[e] >= 0 && offsets[e] <= offsets[e + 1] && int64_t(offsets[e + 1]) <= rows,
+                           "expert_offsets is not non-decreasing within [0, rows]");
+    }
+  }
 
   // Tile `id` < count(): the last expert whose prefix is <= id (empty experts share their
   // successor's prefix and are skipped by taking the last).

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "kernels/common/device_check.cuh"
 #include "kernels/common/vec8.cuh"
 #include "kernels/moe/grouped_gemm_params.h"
 #include "tessera/error.h"
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const CombineParams p
       for (int g = 0; g < kGroup; ++g) {
         const bool inside = first + g < p.top_k;
         row[g] = inside ? __ldg(inverse + first + g) : -1;
+        TESSERA_DEVICE_CHECK(row[g] >= -1 && row[g] < p.y_rows, "an inverse entry outside [-1, rows of expert_out)");
         if (row[g] >= p.y_rows) row[g] = -1;  // outside y: treated as dropped (see CombineParams)
         weight[g] = inside ? __ldg(weights + first + g) : 0.f;
       }

@@ -26,6 +26,7 @@
 #include "kernels/attention/common/logits.cuh"
 #include "kernels/common/bulk_copy_sm90.cuh"
 #include "kernels/common/dependent_launch.cuh"
+#include "kernels/common/device_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/vec8.cuh"
 #include "tessera/error.h"
@@ -352,6 +353,7 @@ __global__ void __launch_bounds__(DecodeTileConfig<kHeadDim, kStagesT, kCtasPerS
         for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
           const int token = min(n0 + copy_row + i * Cfg::kRowStep, end - 1);
           ids[i] = __ldg(pages + page_index(p, token));
+          TESSERA_DEVICE_CHECK(ids[i] >= 0 && ids[i] < p.num_pages, "a kv_indices page id (device copy) outside the cache");
         }
       };
       auto issue = [&](int tile, const int (&ids)[Cfg::kRowsPerThread]) {

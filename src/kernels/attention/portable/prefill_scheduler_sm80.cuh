@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/prefill_params.h"
+#include "kernels/common/device_check.cuh"
 
 namespace tessera::kernels::sm80 {
 
@@ -35,6 +36,8 @@ __device__ __forceinline__ PrefillWorkTile prefill_work_tile(const PrefillParams
   w.head = tiles_last ? blockIdx.x : blockIdx.z;
   w.q_start = p.qo_indptr[w.request];
   w.qo_len = p.qo_indptr[w.request + 1] - w.q_start;
+  TESSERA_DEVICE_CHECK(w.qo_len <= 0 || (w.q_start >= 0 && int64_t(w.q_start) + w.qo_len <= p.q_rows),
+                       "qo_indptr (device copy) reaches past q's rows");
   w.m0 = m_tile * kBlockM;
   return w;
 }

@@ -18,6 +18,7 @@
 
 #include "kernels/attention/sm90/prefill_sm90_params.h"
 #include "kernels/common/tma_sm90.cuh"
+#include "kernels/common/device_check.cuh"
 #include "kernels/common/warp_uniform.cuh"
 
 namespace tessera::kernels::sm90 {
@@ -73,6 +74,7 @@ struct PagedKVSm90 {
       const unsigned key = unsigned(n0 + where.row);
       const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
       where.page = p.base.kv_indices[kv_start + int(page_of_key)];
+      TESSERA_DEVICE_CHECK_QUIET(where.page >= 0 && where.page < p.base.num_pages, "a kv_indices page id outside the page tensors");
       where.token = int(key - page_of_key * unsigned(p.base.page_size));
     }
     return where;

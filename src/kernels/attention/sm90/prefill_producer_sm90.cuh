@@ -16,6 +16,7 @@
 #include "kernels/attention/sm90/kv_source_sm90.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
 #include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
+#include "kernels/common/device_check.cuh"
 
 namespace tessera::kernels::sm90 {
 
@@ -53,6 +54,12 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
 
   for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
     const WorkTile w = make_work_tile<kBlockM, kBlockN, KV>(p, position);
+    // The device's qo_indptr / kv_indptr against the tensors (the host checked its copies); the
+    // consumers read the same entries.
+    TESSERA_DEVICE_CHECK_QUIET(w.qo_len <= 0 || (w.q_start >= 0 && int64_t(w.q_start) + w.qo_len <= p.base.q_rows),
+                         "qo_indptr (device copy) reaches past q's rows");
+    TESSERA_DEVICE_CHECK_QUIET(p.base.paged || w.kv_len <= 0 || (w.kv_start >= 0 && int64_t(w.kv_start) + w.kv_len <= p.base.kv_rows),
+                         "kv_indptr (device copy) reaches past k / v's rows");
     if (!w.has_rows() || w.kv_tiles() == 0) continue;
     // What the first KV tile's copies read (paged: page ids), looked up before the waits.
     auto where = KV::locate(p, w.kv_start, w.kv_len, (w.end_kv_tile - 1) * kBlockN, lane);
