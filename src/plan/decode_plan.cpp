@@ -171,6 +171,20 @@ DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk) const {
   return count;
 }
 
+bool DecodePlanner::split_fits(int64_t chunk, int64_t tasks) const {
+  // split_count's sum, per KV head, against floor(tasks / heads): its terms are non-negative, so
+  // it can stop once past (the binary searches of choose_chunk mostly probe chunks far too short).
+  const int64_t limit = tasks / cap_.num_kv_heads;
+  int64_t items = num_with_query_;
+  if (items > limit) return false;
+  const uint32_t c = static_cast<uint32_t>(chunk);
+  for (size_t i = 0; i < sorted_len_.size() && sorted_len_[i] > chunk; ++i) {
+    items += (static_cast<uint32_t>(sorted_len_[i]) + c - 1) / c - 1;
+    if (items > limit) return false;
+  }
+  return true;
+}
+
 double DecodePlanner::token_us(const Wave& wave, int64_t concurrent) const {
   // `concurrent` CTAs spread over the SMs (the hardware fills every SM before doubling up): the
   // SMs holding the most of them set the round's end. Their CTAs get the bandwidth the others
@@ -326,6 +340,8 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
     }
     return last;
   };
+  int64_t merge_n = -1, merge_rows = -1;
+  double merge = 0;
   while (i < n_requests && sorted_len_[i] > chunk) {  // the split requests, longest first
     const size_t next = run_of(i);
     const int64_t len = sorted_len_[i];
@@ -333,8 +349,13 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
     const int64_t n = (len + piece - 1) / piece;
     run_end = 0;
     add(n * int64_t(next - i), piece);
-    int32_t merge_groups;
-    const double merge = merge_us(n, sorted_rows_[i], &merge_groups);
+    // Consecutive split requests mostly share their chunk count and rows: one merge estimate each.
+    if (n != merge_n || sorted_rows_[i] != merge_rows) {
+      int32_t merge_groups;
+      merge_n = n;
+      merge_rows = sorted_rows_[i];
+      merge = merge_us(n, merge_rows, &merge_groups);
+    }
     if (run_end > 0) merges_end = std::max(merges_end, run_end + merge);  // batches that ended
     if (batch_items > 0) pending_merges_.push_back(merge);               // and the one gathering
     i = next;
@@ -449,7 +470,7 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     int64_t a = lo / granule_, b = hi;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
-      if (split_count(mid * granule_).items <= fit) b = mid; else a = mid + 1;
+      if (split_fits(mid * granule_, fit)) b = mid; else a = mid + 1;
     }
     consider(std::min(longest, b * granule_));
     hi = b;  // more waves fit shorter chunks
@@ -648,15 +669,14 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int32_t first_slot = plan_.num_slots();
     const int32_t first_merge = static_cast<int32_t>(plan_.merges.size());
     auto group_begin = [&](int32_t j) { return static_cast<int32_t>(int64_t(j) * chunks / groups); };
+    // Locals, read once: the stores through `out` (WorkItem holds a RequestInfo) may alias them.
+    const RequestInfo info = plan_.requests[r];
     for (int32_t j = 0; j < groups; ++j) {
-      for (int32_t c = group_begin(j); c < group_begin(j + 1); ++c) {
-        *out++ = WorkItem{r,
-                          first + c * piece,
-                          first + std::min(len, (c + 1) * piece),
-                          first_slot + c,
-                          first_merge + (groups > 1 ? j * heads : 0),
-                          chunks,
-                          plan_.requests[r]};
+      const int32_t group_end = group_begin(j + 1);
+      const int32_t merge_row = first_merge + (groups > 1 ? j * heads : 0);
+      for (int32_t c = group_begin(j); c < group_end; ++c) {
+        *out++ = WorkItem{r, first + c * piece, first + std::min(len, (c + 1) * piece), first_slot + c, merge_row,
+                          chunks, info};
       }
     }
     const int32_t group_slot = first_slot + heads * chunks;
