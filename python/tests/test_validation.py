@@ -175,6 +175,17 @@ class Paged:
         t.update(kw)
         return t
 
+    # The new rows of append(): 2 into request 0, 1 into request 1.
+    append_rows = np.array([0, 2, 3], np.int32)
+
+    def append(self, **kw):
+        args = dict(k_pages=self.k_pages, v_pages=self.v_pages, append_indptr=self.dev.indices(self.append_rows),
+                    host_append_indptr=self.append_rows, k_new=self.dev.randn((3, 2, HEAD_DIM), "bf16", seed=7),
+                    v_new=self.dev.randn((3, 2, HEAD_DIM), "bf16", seed=8), layout=self.layout)
+        args.update(self.table(**{k: v for k, v in kw.items() if "kv_" in k}))
+        args.update({k: v for k, v in kw.items() if "kv_" not in k})
+        return lambda: tessera.append_paged_kv(**args)
+
     def prefill(self, **kw):
         args = dict(q=self.q, qo_indptr=self.dev.indices(self.qo), host_qo_indptr=self.qo,
                     k_pages=self.k_pages, v_pages=self.v_pages, layout=self.layout, out=self.o)
@@ -357,7 +368,8 @@ def test_validation_table(dev, entry, call, args, rule):
             assert np.array_equal(dev.to_numpy(t["s_out"]), s_before)
 
 
-# The prefill wrappers in the same table: each device tensor argument x {dtype, rank}, by keyword.
+# The prefill and append wrappers in the same table: each device tensor argument x {dtype, rank},
+# by keyword.
 _PREFILL_TABLE = [
     ("batch_prefill", lambda dev, **kw: Ragged(dev).call(**kw),
      [("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("lse", "lse"), ("qo_indptr", "qo_indptr"),
@@ -365,6 +377,10 @@ _PREFILL_TABLE = [
     ("batch_prefill_paged", lambda dev, **kw: Paged(dev).prefill(**kw),
      [("q", "q"), ("out", "o"), ("k_pages", "k_pages"), ("v_pages", "v_pages"), ("qo_indptr", "qo_indptr"),
       ("kv_indptr", "kv_indptr"), ("kv_indices", "kv_indices"), ("kv_last_page_len", "kv_last_page_len")]),
+    ("append_paged_kv", lambda dev, **kw: Paged(dev).append(**kw),
+     [("k_pages", "k_pages"), ("v_pages", "v_pages"), ("k_new", "k_new"), ("v_new", "v_new"),
+      ("append_indptr", "append_indptr"), ("kv_indptr", "kv_indptr"), ("kv_indices", "kv_indices"),
+      ("kv_last_page_len", "kv_last_page_len")]),
 ]
 
 
@@ -377,7 +393,8 @@ def _valid_argument(dev, entry, name):
     p = Paged(dev)
     return {"q": p.q, "out": p.o, "k_pages": p.k_pages, "v_pages": p.v_pages, "qo_indptr": dev.indices(p.qo),
             "kv_indptr": dev.indices(p.indptr), "kv_indices": dev.indices(p.indices),
-            "kv_last_page_len": dev.indices(p.last)}[name]
+            "kv_last_page_len": dev.indices(p.last), "append_indptr": dev.indices(p.append_rows),
+            "k_new": dev.randn((3, 2, HEAD_DIM), "bf16", seed=7), "v_new": dev.randn((3, 2, HEAD_DIM), "bf16", seed=8)}[name]
 
 
 @pytest.mark.parametrize("entry,make,args", _PREFILL_TABLE, ids=[t[0] for t in _PREFILL_TABLE])
