@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/prefill_params.h"
+#include "kernels/common/device_check.cuh"
 #include "kernels/common/mma_sm80.cuh"
 
 namespace tessera::kernels::sm80 {
@@ -149,6 +150,7 @@ struct PagedKV {
       const int token = min(n0 + int(threadIdx.x), kv_len - 1);
       const int slot = token - page_of(p, token) * p.page_size;
       const int64_t page = ids[buf * kBlockN + threadIdx.x];
+      TESSERA_DEVICE_CHECK(page >= 0 && page < p.num_pages, "a kv_indices page id (device copy) outside the page tensors");
       int64_t* offsets = row_offsets + buf * 2 * kBlockN;
       offsets[threadIdx.x] = page * p.k_stride_page + int64_t(slot) * p.k_stride_token +
                              int64_t(kv_head) * p.k_stride_head;
