@@ -14,6 +14,7 @@
 # and, where they changed, the registers and the stack frame (spills) of cuobjdump -res-usage.
 # Exit status 0 when every function is identical and the registers and stack did not grow.
 # Environment: KEEP=DIR keeps the per-function listings there (DIR/{base,new}/...), for diff -u.
+# cuobjdump and nvdisasm: the toolkit's, or the pinned PyPI wheels of scripts/requirements-sass-tools.txt.
 set -euo pipefail
 base=${1:?usage: compare_sass.sh BASE_BUILD NEW_BUILD [OBJECT_FILTER]}
 new=${2:?usage: compare_sass.sh BASE_BUILD NEW_BUILD [OBJECT_FILTER]}
