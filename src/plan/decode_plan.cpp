@@ -155,13 +155,16 @@ int64_t DecodePlanner::chunk_length(int64_t len, int64_t chunk) const {
   return std::min(chunk, ((len + n - 1) / n + granule_ - 1) / granule_ * granule_);
 }
 
-DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk) const {
+DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk, int64_t task_limit) const {
   // Only the requests longer than the chunk (a prefix of the longest-first order) are split, into
   // ceil(len / chunk) chunks, which bounds the balanced count (chunk_length() can make one fewer)
-  // at one 32-bit division per request (lengths and chunks are below 2^31).
+  // at one 32-bit division per request (lengths and chunks are below 2^31). The per-head sum only
+  // grows, so it can stop once past task_limit / heads (the binary searches of choose_chunk mostly
+  // probe chunks far too short to fit).
   SplitCount count{num_with_query_, 0};
+  const int64_t limit = task_limit / cap_.num_kv_heads;
   const uint32_t c = static_cast<uint32_t>(chunk);
-  for (size_t i = 0; i < sorted_len_.size() && sorted_len_[i] > chunk; ++i) {
+  for (size_t i = 0; i < sorted_len_.size() && sorted_len_[i] > chunk && count.items <= limit; ++i) {
     const int64_t n = (static_cast<uint32_t>(sorted_len_[i]) + c - 1) / c;
     count.items += n - 1;
     count.chunk_slots += n;
@@ -169,20 +172,6 @@ DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk) const {
   count.items *= cap_.num_kv_heads;
   count.chunk_slots *= cap_.num_kv_heads;
   return count;
-}
-
-bool DecodePlanner::split_fits(int64_t chunk, int64_t tasks) const {
-  // split_count's sum, per KV head, against floor(tasks / heads): its terms are non-negative, so
-  // it can stop once past (the binary searches of choose_chunk mostly probe chunks far too short).
-  const int64_t limit = tasks / cap_.num_kv_heads;
-  int64_t items = num_with_query_;
-  if (items > limit) return false;
-  const uint32_t c = static_cast<uint32_t>(chunk);
-  for (size_t i = 0; i < sorted_len_.size() && sorted_len_[i] > chunk; ++i) {
-    items += (static_cast<uint32_t>(sorted_len_[i]) + c - 1) / c - 1;
-    if (items > limit) return false;
-  }
-  return true;
 }
 
 double DecodePlanner::token_us(const Wave& wave, int64_t concurrent) const {
@@ -470,7 +459,7 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     int64_t a = lo / granule_, b = hi;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
-      if (split_fits(mid * granule_, fit)) b = mid; else a = mid + 1;
+      if (split_count(mid * granule_, fit).items <= fit) b = mid; else a = mid + 1;
     }
     consider(std::min(longest, b * granule_));
     hi = b;  // more waves fit shorter chunks

@@ -269,9 +269,9 @@ class DecodePlanner {
     int64_t items;        // tasks: work items x KV heads
     int64_t chunk_slots;  // partial slots of the split rows
   };
-  SplitCount split_count(int64_t chunk) const;
-  // Whether split_count(chunk).items <= tasks, stopping as soon as the count passes it.
-  bool split_fits(int64_t chunk, int64_t tasks) const;
+  // With task_limit, counting stops once the tasks pass it: items is then only known to exceed it
+  // (and chunk_slots is partial).
+  SplitCount split_count(int64_t chunk, int64_t task_limit = INT64_MAX) const;
   // Chunks of a request of `len` tokens under the chunk target (equal lengths, granule-aligned).
   int64_t chunk_length(int64_t len, int64_t chunk) const;
   // Microseconds per K/V token of one KV head while `concurrent` tasks stream.

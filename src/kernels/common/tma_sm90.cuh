@@ -124,57 +124,31 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, Mbarrier* ba
 // wgmma issues). Each issuing thread tracks its stores in bulk groups: commit closes a group,
 // wait_read<N> returns once at most N of its groups still read shared memory (the buffer may be
 // rewritten), wait_all<0> once they are all written.
+// The PTX of one instruction issued only where operand %0 (an int) is nonzero: predicated inside
+// the asm, not branched around.
+#define TESSERA_PTX_IF_OPERAND0(instruction) "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p " instruction "\n}\n"
 __device__ __forceinline__ void tma_store_2d_if(bool pred, const CUtensorMap* map, const void* src, int c0, int c1) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%1, {%3, %4}], [%2];\n"
-      "}\n" ::"r"(int(pred)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1)
-      : "memory");
+  asm volatile(TESSERA_PTX_IF_OPERAND0("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%1, {%3, %4}], [%2];")
+               ::"r"(int(pred)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
 }
 __device__ __forceinline__ void tma_store_3d_if(bool pred, const CUtensorMap* map, const void* src, int c0, int c1,
                                                 int c2) {
   asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%1, {%3, %4, %5}], [%2];\n"
-      "}\n" ::"r"(int(pred)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+      TESSERA_PTX_IF_OPERAND0("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%1, {%3, %4, %5}], [%2];")
+      ::"r"(int(pred)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
 __device__ __forceinline__ void bulk_commit_if(bool pred) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.bulk.commit_group;\n"
-      "}\n" ::"r"(int(pred))
-      : "memory");
+  asm volatile(TESSERA_PTX_IF_OPERAND0("cp.async.bulk.commit_group;")::"r"(int(pred)) : "memory");
 }
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_read_if(bool pred) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.bulk.wait_group.read %1;\n"
-      "}\n" ::"r"(int(pred)),
-      "n"(kPending)
-      : "memory");
+  asm volatile(TESSERA_PTX_IF_OPERAND0("cp.async.bulk.wait_group.read %1;")::"r"(int(pred)), "n"(kPending) : "memory");
 }
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_all_if(bool pred) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %0, 0;\n"
-      "@p cp.async.bulk.wait_group %1;\n"
-      "}\n" ::"r"(int(pred)),
-      "n"(kPending)
-      : "memory");
+  asm volatile(TESSERA_PTX_IF_OPERAND0("cp.async.bulk.wait_group %1;")::"r"(int(pred)), "n"(kPending) : "memory");
 }
 
 // Ordinary shared-memory writes of this thread become visible to later async-proxy reads

@@ -455,12 +455,12 @@ void launch_typed(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) 
 }  // namespace
 
 void launch_grouped_gemm_sm90(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
-  const bool swiglu = p.epilogue == GemmEpilogue::kSwiGLU;
+  const bool with_swiglu = p.epilogue == GemmEpilogue::kSwiGLU;  // (swiglu() is the device function)
   if (p.dtype == DType::kBF16) {
-    if (swiglu) launch_typed<__nv_bfloat16, GemmEpilogue::kSwiGLU>(p, num_sms, stream);
+    if (with_swiglu) launch_typed<__nv_bfloat16, GemmEpilogue::kSwiGLU>(p, num_sms, stream);
     else launch_typed<__nv_bfloat16, GemmEpilogue::kStore>(p, num_sms, stream);
   } else {
-    if (swiglu) launch_typed<__half, GemmEpilogue::kSwiGLU>(p, num_sms, stream);
+    if (with_swiglu) launch_typed<__half, GemmEpilogue::kSwiGLU>(p, num_sms, stream);
     else launch_typed<__half, GemmEpilogue::kStore>(p, num_sms, stream);
   }
 }
