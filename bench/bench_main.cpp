@@ -267,6 +267,22 @@ struct PrefillProblem {
   }
 };
 
+// scheduler=persistent|single order=inner|outer|mirror heavy_first=true|false run_length=N: force
+// the Hopper family's schedule (ablations); absent, the dispatcher's policy.
+void force_schedule_if_asked(const Args& a) {
+  if (a.count("scheduler") == 0) return;
+  kernels::sm90::PrefillSm90Schedule schedule;
+  schedule.scheduler = arg(a, "scheduler") == "single" ? kernels::sm90::SchedulerKind::kSingleTile
+                                                       : kernels::sm90::SchedulerKind::kStaticPersistent;
+  const std::string order = arg(a, "order", "inner");
+  schedule.order = order == "outer"    ? kernels::sm90::TileOrder::kQueryTilesOuter
+                   : order == "mirror" ? kernels::sm90::TileOrder::kMirroredPairs
+                                       : kernels::sm90::TileOrder::kQueryTilesInner;
+  schedule.run_length = static_cast<int>(arg_int(a, "run_length", order == "mirror" ? "2" : "1"));
+  schedule.heavy_first = arg(a, "heavy_first", "false") == "true";
+  dispatch::force_prefill_sm90_schedule(&schedule);
+}
+
 // prefill: FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
 //   [path=portable|hopper] forces a family; [scheduler= order=inner|outer|mirror heavy_first= run_length=]
 //   the Hopper schedule.
@@ -282,21 +298,7 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   // sm_86 / sm_89: the compact hd256 prefill), timed on this GPU.
   const long smem_limit_kb = arg_int(a, "smem_limit_kb", "0");
   dispatch::limit_shared_memory_per_block(static_cast<int>(smem_limit_kb * 1024));
-  // scheduler=persistent|single order=inner|outer heavy_first=true|false: force the Hopper
-  // family's schedule (ablations); absent, the dispatcher's policy.
-  kernels::sm90::PrefillSm90Schedule schedule;
-  const bool force_schedule = a.count("scheduler") > 0;
-  if (force_schedule) {
-    schedule.scheduler = arg(a, "scheduler") == "single" ? kernels::sm90::SchedulerKind::kSingleTile
-                                                         : kernels::sm90::SchedulerKind::kStaticPersistent;
-    const std::string order = arg(a, "order", "inner");
-    schedule.order = order == "outer"    ? kernels::sm90::TileOrder::kQueryTilesOuter
-                     : order == "mirror" ? kernels::sm90::TileOrder::kMirroredPairs
-                                         : kernels::sm90::TileOrder::kQueryTilesInner;
-    schedule.run_length = static_cast<int>(arg_int(a, "run_length", order == "mirror" ? "2" : "1"));
-    schedule.heavy_first = arg(a, "heavy_first", "false") == "true";
-    dispatch::force_prefill_sm90_schedule(&schedule);
-  }
+  force_schedule_if_asked(a);
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);
@@ -628,12 +630,19 @@ int bench_prefill_plan(const Args& a) {
   const std::vector<PagedSet> sets = random_paged_sets(rot, pool_bytes, q_bytes, lse_bytes);
   // split=1 (default): BatchPrefillPaged, planned once (the KV split it picks); split=0: the
   // unsplit batch_prefill_paged.
+  // kv_splits=N forces the plan's split count (the cost model's sweep); path=portable|hopper the
+  // family; scheduler=... the Hopper schedule (force_schedule_if_asked).
   const bool use_split = arg_int(a, "split", "1") != 0;
+  dispatch::force_prefill_kv_splits(static_cast<int>(arg_int(a, "kv_splits", "0")));
+  force_schedule_if_asked(a);
   PagedPrefillConfig pcfg;
   pcfg.num_qo_heads = qh;
   pcfg.head_dim = d;
   pcfg.page_size = P;
   pcfg.max_q_rows = static_cast<int>(q_rows);
+  pcfg.max_kv_splits = std::max(16, static_cast<int>(arg_int(a, "kv_splits", "0")));
+  pcfg.causal = causal;
+  if (a.count("path")) pcfg.path = arg(a, "path") == "hopper" ? AttentionPath::kHopper : AttentionPath::kPortable;
   Buffer split_ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(pcfg), 256));
   BatchPrefillPaged prefill(pcfg, split_ws.get(), split_ws.bytes());
   prefill.plan(qo_indptr.data(), device_table.table);
@@ -648,6 +657,7 @@ int bench_prefill_plan(const Args& a) {
     pa.o = TensorView::contiguous(st.o->get(), DType::kBF16, {q_rows, qh, d});
     pa.lse = TensorView::contiguous(st.lse->get(), DType::kFP32, {q_rows, qh});
     pa.causal = causal;
+    pa.path = pcfg.path;
     if (use_split) prefill.run(pa, nullptr);
     else batch_prefill_paged(pa, nullptr);
   };
@@ -655,10 +665,13 @@ int bench_prefill_plan(const Args& a) {
   const double flops = 4.0 * qh * d * pairs;
   std::printf("{\"suite\": \"prefill_plan\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
               "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
-              "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d}\n",
+              "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d, "
+              "\"plan_path\": \"%s\", \"estimated_us\": %.1f}\n",
               arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
               static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout),
-              use_split ? prefill.last_plan().kv_splits : 1);
+              use_split ? prefill.last_plan().kv_splits : 1,
+              attention_path_name(use_split ? prefill.last_plan().path : AttentionPath::kAuto),
+              use_split ? prefill.last_plan().estimated_us : 0.0);
   return 0;
 }
 

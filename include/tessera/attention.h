@@ -78,19 +78,18 @@ void batch_prefill_paged(const PagedPrefillArgs& args, cudaStream_t stream);
 AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args);
 // Paged prefill / extend with plan / run and a KV split: where a step's query tiles alone under-
 // fill the GPU (a short chunk of new tokens over a long history, few heads), plan() splits every
-// query tile's keys into runs processed by their own CTAs, whose fp32 partial states run() merges
-// (one more launch). The split count is uniform over the step, chosen from the query tiles, the
-// SM count and the longest request's keys; a request with few keys then has empty runs, which
-// cost one CTA start each. The KV split runs on the portable family; on sm_90 plan() splits only
-// where the Hopper family's unsplit grid has fewer query tiles than SMs (measured on the H200:
-// 128-token chunks over 8K-64K at 1-2 requests run 2-4x faster split on the portable kernel, from
-// one Hopper wave on the unsplit Hopper kernel wins), and never when config.path is kHopper.
-// The caller owns the workspace (workspace_bytes(config)).
+// query tile's keys into runs processed as their own work tiles, whose fp32 partial states run()
+// merges (one more launch). The split count is uniform over the step. On sm_90 (the Hopper family
+// reads the pages) it comes from that family's cost model (src/plan/prefill_split.h: wave-
+// quantised makespan of the work tiles plus the partials' traffic and the merge), and a step of
+// two Hopper tiles per SM or more is not split; elsewhere the portable family splits into enough
+// CTAs for four per SM, each run at least 256 keys. A request with few keys then has empty runs,
+// which cost one work-tile start each. The caller owns the workspace (workspace_bytes(config)).
 //
 //   tessera::BatchPrefillPaged prefill(config, ws, tessera::BatchPrefillPaged::workspace_bytes(config));
 //   per step: prefill.plan(host_qo_indptr, table);   per layer: prefill.run(args, stream);
 //
-// Not yet: CUDA-graph capture of run() (its grid follows the step), a KV split on the Hopper family.
+// Not yet: CUDA-graph capture of run() (its grid follows the step), split counts per request.
 struct PagedPrefillConfig {
   int num_qo_heads = 0;
   int head_dim = 0;
@@ -98,12 +97,17 @@ struct PagedPrefillConfig {
   int max_q_rows = 0;       // query rows of a step (total_q), at most
   int max_kv_splits = 16;   // the split count never exceeds this (it sizes the workspace)
   AttentionPath path = AttentionPath::kAuto;  // the family run() may use (run()'s args.path must agree)
+  // The mask run() will take, for plan()'s cost estimate only: run() applies its own arguments'
+  // mask, whatever these say (a different one only makes the split less well chosen).
+  bool causal = false;
+  int window_left = -1;
 };
 
 struct PagedPrefillPlanInfo {
   int kv_splits = 1;        // runs per query tile (1: no split, no partials, no merge)
   int64_t query_tiles = 0;  // (request, head, 128-row tile) CTAs of the portable unsplit grid with rows
   AttentionPath path = AttentionPath::kAuto;  // the family run() takes (kAuto: batch_prefill_paged's choice)
+  double estimated_us = 0.0;  // the Hopper cost model's step time for kv_splits (0: no estimate made)
 };
 
 class BatchPrefillPaged {

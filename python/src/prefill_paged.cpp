@@ -68,21 +68,26 @@ void bind_prefill_paged(nb::module_& m) {
                                  "A BatchPrefillPaged's fixed configuration (tessera::PagedPrefillConfig).")
       .def("__init__",
            [](PagedPrefillConfig* self, int num_qo_heads, int head_dim, int page_size, int max_q_rows,
-              int max_kv_splits, AttentionPath path) {
-             new (self) PagedPrefillConfig{num_qo_heads, head_dim, page_size, max_q_rows, max_kv_splits, path};
+              int max_kv_splits, AttentionPath path, bool causal, int window_left) {
+             new (self) PagedPrefillConfig{num_qo_heads, head_dim, page_size, max_q_rows, max_kv_splits, path,
+                                           causal, window_left};
            },
            nb::kw_only(), "num_qo_heads"_a = d.num_qo_heads, "head_dim"_a = d.head_dim, "page_size"_a = d.page_size,
-           "max_q_rows"_a = d.max_q_rows, "max_kv_splits"_a = d.max_kv_splits, "path"_a = d.path)
+           "max_q_rows"_a = d.max_q_rows, "max_kv_splits"_a = d.max_kv_splits, "path"_a = d.path,
+           "causal"_a = d.causal, "window_left"_a = d.window_left)
       .def_rw("num_qo_heads", &PagedPrefillConfig::num_qo_heads)
       .def_rw("head_dim", &PagedPrefillConfig::head_dim)
       .def_rw("page_size", &PagedPrefillConfig::page_size)
       .def_rw("max_q_rows", &PagedPrefillConfig::max_q_rows)
       .def_rw("max_kv_splits", &PagedPrefillConfig::max_kv_splits)
-      .def_rw("path", &PagedPrefillConfig::path);
+      .def_rw("path", &PagedPrefillConfig::path)
+      .def_rw("causal", &PagedPrefillConfig::causal, "the mask run() will take (plan()'s cost estimate only)")
+      .def_rw("window_left", &PagedPrefillConfig::window_left);
   nb::class_<PagedPrefillPlanInfo>(m, "PagedPrefillPlanInfo", "What BatchPrefillPaged::plan decided.")
       .def_ro("kv_splits", &PagedPrefillPlanInfo::kv_splits)
       .def_ro("query_tiles", &PagedPrefillPlanInfo::query_tiles)
-      .def_ro("path", &PagedPrefillPlanInfo::path);
+      .def_ro("path", &PagedPrefillPlanInfo::path)
+      .def_ro("estimated_us", &PagedPrefillPlanInfo::estimated_us);
   m.def("paged_prefill_workspace_bytes", &BatchPrefillPaged::workspace_bytes, "config"_a,
         "Bytes of device workspace a BatchPrefillPaged of this config needs.");
   nb::class_<PagedPrefiller>(m, "PagedPrefiller", "tessera::BatchPrefillPaged over a workspace tensor.")

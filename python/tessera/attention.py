@@ -141,9 +141,10 @@ class BatchPrefillPaged:
 
     plan() reads host copies (the indptr / index arrays on the host, or host_* copies of device
     ones); run() takes batch_prefill_paged's arguments for the planned step (its page table must be
-    the planned one) and returns o, or (o, lse). The split runs on the portable family; where the
-    Hopper family reads the pages and its grid fills a wave the step runs unsplit there
-    (last_plan().path / kv_splits say what was chosen). The workspace
+    the planned one) and returns o, or (o, lse). Where the Hopper family reads the pages it runs the
+    split too, its count from that family's cost model (the config's causal / window_left are the
+    mask that estimate assumes; run() applies its own arguments'); elsewhere the portable family
+    splits (last_plan().path / kv_splits / estimated_us say what was chosen). The workspace
     (paged_prefill_workspace_bytes(config) bytes) is allocated unless one is given. Not yet CUDA-graph
     capturable.
     """

@@ -534,9 +534,13 @@ def test_moe_route_and_permute_match_numpy(dev):
 def test_batch_prefill_paged_config_rules():
     cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)
     assert cfg.max_kv_splits == 16 and cfg.path == tessera.AttentionPath.AUTO
+    assert cfg.causal is False and cfg.window_left == -1
+    assert tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256,
+                                      causal=True, window_left=512).window_left == 512
     assert tessera.paged_prefill_workspace_bytes(cfg) == 16 * 256 * 8 * (HEAD_DIM + 1) * 4
     for field, value, rule in [("num_qo_heads", 0, "must be >= 1"), ("page_size", 0, "must be >= 1"),
-                               ("max_kv_splits", 0, "must be in 1..256"), ("max_q_rows", 0, "must be >= 1")]:
+                               ("max_kv_splits", 0, "must be in 1..256"), ("max_q_rows", 0, "must be >= 1"),
+                               ("window_left", -2, "must be >= -1")]:
         bad = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)
         setattr(bad, field, value)
         expect_error(lambda: tessera.paged_prefill_workspace_bytes(bad), "BatchPrefillPaged::workspace_bytes",

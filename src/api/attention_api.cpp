@@ -161,6 +161,17 @@ int max_qo_len(const TensorView& qo_indptr, const int32_t* host_qo_indptr) {
   return max_qo;
 }
 
+// Whether every request has the same qo_len and the same kv_len (host copies; kv_len(i) is
+// request i's keys).
+template <typename KvLen>
+bool lengths_uniform(const int32_t* host_qo_indptr, int64_t batch, KvLen kv_len) {
+  const int32_t qo0 = batch > 0 ? host_qo_indptr[1] - host_qo_indptr[0] : 0;
+  for (int64_t i = 1; i < batch; ++i) {
+    if (host_qo_indptr[i + 1] - host_qo_indptr[i] != qo0 || kv_len(i) != kv_len(0)) return false;
+  }
+  return true;
+}
+
 // What both prefill entry points fill the same way: queries, outputs, LSE, qo_indptr, head counts,
 // the launch size and the variant. `max_qo` / `max_kv` are the longest request's rows and KV (host
 // copies); max_kv is checked against the kernels' token limit.
@@ -261,14 +272,19 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
   p.q_rows = a.q.size(0);
   p.num_pages = c.num_pages();
+  p.uniform_lengths = lengths_uniform(a.host_qo_indptr, p.batch_size, [&](int64_t i) {
+    const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
+    return pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i];
+  });
   return p;
 }
 
 void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
                     cudaStream_t stream) {
   if (path == AttentionPath::kHopper) {
-    kernels::sm90::launch_prefill_sm90(dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim),
-                                       dispatch::sm_count(), stream);
+    const int num_sms = dispatch::sm_count();
+    kernels::sm90::launch_prefill_sm90(dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim, num_sms),
+                                       num_sms, stream);
   } else {
     kernels::launch_prefill_sm80(dtype, head_dim, p, stream);
   }
@@ -311,6 +327,8 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.kv_indptr = static_cast<const int32_t*>(a.kv_indptr.data);
   p.q_rows = a.q.size(0);
   p.kv_rows = a.k.size(0);
+  p.uniform_lengths = lengths_uniform(a.host_qo_indptr, p.batch_size,
+                                      [&](int64_t i) { return a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]; });
   detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
 }
 

@@ -10,6 +10,7 @@
 #include "dispatch/prefill_dispatch.h"
 #include "kernels/attention/sm90/prefill_sm90_launch.h"
 #include "tessera/attention.h"
+#include "plan/prefill_split.h"
 #include "tessera/merge.h"
 
 namespace tessera {
@@ -33,6 +34,7 @@ void validate_config(const detail::ArgCheck& check, const PagedPrefillConfig& c)
   TESSERA_REQUIRE(check,
                   c.path == AttentionPath::kAuto || c.path == AttentionPath::kPortable || c.path == AttentionPath::kHopper,
                   "path", "must be kAuto, kPortable or kHopper");
+  TESSERA_REQUIRE(check, c.window_left >= -1, "window_left", "must be >= -1 (-1: no window)");
 }
 
 }  // namespace
@@ -96,21 +98,48 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   tiles *= config_.num_qo_heads;
   hopper_tiles *= config_.num_qo_heads;
   info_.query_tiles = tiles;
+  info_.estimated_us = 0.0;
   planned_ = true;
   planned_rows_ = host_qo_indptr[batch];
-  // The family: the split is the portable kernel's. Where the Hopper family reads the pages, the
-  // step runs unsplit on it once its grid fills a wave (H200, same run as the peers: q128 over
-  // 8K-64K, 2 requests: split portable 231-277 TFLOP/s vs unsplit Hopper 124-134; 8 requests:
-  // 313-352 vs 500-530; q512, 1 request (128 tiles): 246-293 vs 259-277).
-  if (config_.path == AttentionPath::kHopper || (hopper_reads_pages_ && hopper_tiles >= num_sms_)) {
+  const int forced = dispatch::forced_prefill_kv_splits();
+  if (config_.path == AttentionPath::kHopper || hopper_reads_pages_) {
+    // The Hopper family splits by its cost model (plan/prefill_split.h). A grid of two tiles per
+    // SM or more is never split: the model's gain there is within its error, and the estimate is
+    // skipped (plan time).
+    info_.path = AttentionPath::kHopper;
     info_.kv_splits = 1;
-    info_.path = config_.path;
+    if (forced > 0) {
+      info_.kv_splits = std::min(forced, config_.max_kv_splits);
+    } else if (hopper_tiles < 2 * int64_t(num_sms_) && config_.max_kv_splits > 1) {
+      const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
+      plan::PrefillSplitProblem problem;
+      problem.qo_indptr = host_qo_indptr;
+      problem.kv_indptr = table.host_indptr;
+      problem.last_page_len = table.host_last_page_len;
+      problem.page_size = config_.page_size;
+      problem.batch = batch;
+      problem.num_qo_heads = config_.num_qo_heads;
+      problem.head_dim = config_.head_dim;
+      problem.block_m = tile.block_m;
+      problem.block_n = tile.block_n;
+      problem.causal = config_.causal;
+      problem.window_left = config_.window_left;
+      problem.slots = num_sms_;
+      problem.max_splits = config_.max_kv_splits;
+      const plan::PrefillSplitChoice choice =
+          plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m));
+      info_.kv_splits = choice.splits;
+      info_.estimated_us = choice.estimated_us;
+    }
+    if (config_.path != AttentionPath::kHopper && info_.kv_splits == 1) info_.path = config_.path;
     return;
   }
-  // The split: enough CTAs for kTargetCtasPerSm per SM, each run at least kMinKeysPerRun keys.
+  // The portable family: enough CTAs for kTargetCtasPerSm per SM, each run at least
+  // kMinKeysPerRun keys.
   const int64_t keys = longest * config_.page_size;
   const int64_t wanted = tiles > 0 ? (kTargetCtasPerSm * num_sms_ + tiles - 1) / tiles : 1;
   info_.kv_splits = static_cast<int>(std::max<int64_t>(1, std::min({wanted, keys / kMinKeysPerRun, int64_t(config_.max_kv_splits)})));
+  if (forced > 0) info_.kv_splits = std::min(forced, config_.max_kv_splits);
   info_.path = info_.kv_splits > 1 ? AttentionPath::kPortable : config_.path;
 }
 
@@ -120,8 +149,11 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   TESSERA_REQUIRE(check, a.path == AttentionPath::kAuto || a.path == config_.path, "path",
                   std::string("is ") + attention_path_name(a.path) + " but the config's is " +
                       attention_path_name(config_.path));
+  // The planned family; a Hopper plan of an automatic config lets the dispatcher confirm it for
+  // run()'s dtype (either family runs any split).
   PagedPrefillArgs planned = a;
-  planned.path = info_.path;
+  planned.path = info_.path == AttentionPath::kHopper && config_.path == AttentionPath::kAuto ? AttentionPath::kAuto
+                                                                                              : info_.path;
   AttentionPath path = AttentionPath::kAuto;
   kernels::PrefillParams p = detail::paged_prefill_params(check, planned, path);
   TESSERA_REQUIRE(check, a.q.size(1) == config_.num_qo_heads && a.q.size(2) == config_.head_dim, "q",
@@ -143,7 +175,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   p.kv_splits = static_cast<int>(splits);
   p.partial_o = workspace_;
   p.partial_lse = workspace_ + splits * rows * heads * d;
-  kernels::launch_prefill_sm80(a.q.dtype, static_cast<int>(d), p, stream);
+  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream);
   // Partials [splits, rows, heads, d] seen as merge_states' [rows, splits, heads, d].
   const int64_t used = a.host_qo_indptr[p.batch_size];
   const TensorView o_parts = TensorView::strided(p.partial_o, DType::kFP32, {used, splits, heads, d},

@@ -91,7 +91,7 @@ namespace sm90 {
   void launch_prefill_sm90_hd##HD(DType dtype, const PrefillParams& p, const PrefillSm90Schedule& schedule, \
                                   int num_sms, cudaStream_t stream);                                        \
   int prefill_sm90_smem_bytes_hd##HD();                                                                    \
-  int prefill_sm90_block_m_hd##HD();
+  PrefillSm90Tile prefill_sm90_tile_hd##HD();
 #if TESSERA_INST_HD64
 TESSERA_DECLARE_PREFILL_SM90(64)
 #endif
@@ -123,18 +123,18 @@ int prefill_sm90_smem_bytes(int head_dim) {
   }
 }
 
-int prefill_sm90_block_m(int head_dim) {
+PrefillSm90Tile prefill_sm90_tile(int head_dim) {
   switch (head_dim) {
 #if TESSERA_INST_HOPPER && TESSERA_INST_HD64
-    case 64: return prefill_sm90_block_m_hd64();
+    case 64: return prefill_sm90_tile_hd64();
 #endif
 #if TESSERA_INST_HOPPER && TESSERA_INST_HD128
-    case 128: return prefill_sm90_block_m_hd128();
+    case 128: return prefill_sm90_tile_hd128();
 #endif
 #if TESSERA_INST_HOPPER && TESSERA_INST_HD256
-    case 256: return prefill_sm90_block_m_hd256();
+    case 256: return prefill_sm90_tile_hd256();
 #endif
-    default: return 128;
+    default: return {128, 128};
   }
 }
 
@@ -263,12 +263,20 @@ std::atomic<bool> g_schedule_forced{false};
 kernels::sm90::PrefillSm90Schedule g_forced_schedule;
 }  // namespace
 
+namespace {
+std::atomic<int> g_forced_kv_splits{0};
+}  // namespace
+
+void force_prefill_kv_splits(int splits) { g_forced_kv_splits.store(splits > 0 ? splits : 0); }
+int forced_prefill_kv_splits() { return g_forced_kv_splits.load(); }
+
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule) {
   if (schedule != nullptr) g_forced_schedule = *schedule;
   g_schedule_forced.store(schedule != nullptr);
 }
 
-kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p, int head_dim) {
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p, int head_dim,
+                                                                int num_sms) {
   if (g_schedule_forced.load()) return g_forced_schedule;
   using namespace kernels::sm90;
   // Measured on the H200 (notes/prefill_hopper.md, "Schedules"; runs 3-6, which move by up to
@@ -280,8 +288,18 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::P
   //   and 663 vs 647 in another run);
   // - non-causal: the persistent CTAs over each head's query tiles (gqa4 8K 621 vs 504 against the
   //   one-tile grid; MHA even from 8K and ahead below: 1K 474 vs 413).
+  // - a KV split (BatchPrefillPaged): the persistent CTAs over the list, a tile's splits
+  //   neighbours (equal runs: no pairing by cost);
+  // - causal batches whose lengths differ (chunked prefill beside decode-like requests) or whose
+  //   pairs would leave SMs idle (fewer than two tiles per SM: the pairs halve the grid): one tile
+  //   per CTA, heaviest first, the hardware filling SMs as they free up.
+  const int m_tiles = (p.max_qo_len + prefill_sm90_block_m(head_dim) - 1) / prefill_sm90_block_m(head_dim);
+  const int64_t tiles = int64_t(p.batch_size) * p.num_qo_heads * m_tiles;
   PrefillSm90Schedule s;
-  if (p.causal && head_dim == 256) {
+  if (p.kv_splits > 1) {
+    s.scheduler = SchedulerKind::kStaticPersistent;
+    s.order = TileOrder::kQueryTilesInner;
+  } else if (p.causal && (head_dim == 256 || !p.uniform_lengths || tiles < 2 * int64_t(num_sms))) {
     s.scheduler = SchedulerKind::kSingleTile;
     s.order = TileOrder::kQueryTilesOuter;
     s.heavy_first = true;

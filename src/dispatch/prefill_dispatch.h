@@ -46,8 +46,13 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 
 // The Hopper family's tile order and scheduler for a problem (the measured policy of
 // notes/prefill_hopper.md), unless a test or benchmark forced one (nullptr lifts it).
-kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim);
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim,
+                                                                int num_sms);
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
+// BatchPrefillPaged::plan's split count, forced by a test or benchmark (0: the planner's choice;
+// capped by the config's max_kv_splits).
+void force_prefill_kv_splits(int splits);
+int forced_prefill_kv_splits();
 
 // SMs of the current GPU and its compute capability as major * 10 + minor (read once per device).
 int sm_count();

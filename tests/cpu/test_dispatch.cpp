@@ -121,29 +121,49 @@ namespace {
 TEST(PrefillDispatch, HopperSchedulePolicy) {
   using kernels::sm90::SchedulerKind;
   using kernels::sm90::TileOrder;
+  const int sms = 132;
   kernels::PrefillParams p;
+  p.batch_size = 2;
   p.num_qo_heads = 32;
   p.num_kv_heads = 8;
   p.max_qo_len = 16384;
   p.causal = true;
-  auto s = dispatch::choose_prefill_sm90_schedule(p, 128);
+  auto s = dispatch::choose_prefill_sm90_schedule(p, 128, sms);
   EXPECT_EQ(s.scheduler, SchedulerKind::kStaticPersistent);
   EXPECT_EQ(s.order, TileOrder::kMirroredPairs);
   EXPECT_EQ(s.run_length, 2);
-  s = dispatch::choose_prefill_sm90_schedule(p, 256);
+  s = dispatch::choose_prefill_sm90_schedule(p, 256, sms);
   EXPECT_EQ(s.scheduler, SchedulerKind::kSingleTile);
   EXPECT_TRUE(s.heavy_first);
+  // Causal pairs only where the lengths agree and the pairs keep every SM busy.
+  p.uniform_lengths = false;
+  s = dispatch::choose_prefill_sm90_schedule(p, 128, sms);
+  EXPECT_EQ(s.scheduler, SchedulerKind::kSingleTile);
+  EXPECT_EQ(s.order, TileOrder::kQueryTilesOuter);
+  EXPECT_TRUE(s.heavy_first);
+  p.uniform_lengths = true;
+  p.max_qo_len = 512;  // 2 x 32 x 4 = 256 tiles < 2 x 132
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kSingleTile);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, 64).order, TileOrder::kMirroredPairs);
+  // A KV split: persistent over the list, no pairs.
+  p.kv_splits = 4;
+  s = dispatch::choose_prefill_sm90_schedule(p, 128, sms);
+  EXPECT_EQ(s.scheduler, SchedulerKind::kStaticPersistent);
+  EXPECT_EQ(s.order, TileOrder::kQueryTilesInner);
+  EXPECT_EQ(s.run_length, 1);
+  p.kv_splits = 1;
+  p.max_qo_len = 16384;
   p.causal = false;
-  s = dispatch::choose_prefill_sm90_schedule(p, 128);
+  s = dispatch::choose_prefill_sm90_schedule(p, 128, sms);
   EXPECT_EQ(s.scheduler, SchedulerKind::kStaticPersistent);
   EXPECT_EQ(s.order, TileOrder::kQueryTilesInner);
   // A forced schedule wins until it is lifted.
   kernels::sm90::PrefillSm90Schedule forced;
   forced.scheduler = SchedulerKind::kSingleTile;
   dispatch::force_prefill_sm90_schedule(&forced);
-  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128).scheduler, SchedulerKind::kSingleTile);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kSingleTile);
   dispatch::force_prefill_sm90_schedule(nullptr);
-  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128).scheduler, SchedulerKind::kStaticPersistent);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kStaticPersistent);
 }
 
 }  // namespace

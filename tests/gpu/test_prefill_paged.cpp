@@ -11,6 +11,8 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <array>
 #include <functional>
 #include <iterator>
@@ -587,9 +589,59 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
     };
     const Outputs split = run();
     EXPECT_GT(prefill.last_plan().kv_splits, 1) << "the case under-fills the GPU and should be split";
-    EXPECT_EQ(prefill.last_plan().path, AttentionPath::kPortable) << "the KV split is the portable family's";
+    const bool hopper_here = hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty();
+    EXPECT_EQ(prefill.last_plan().path, hopper_here ? AttentionPath::kHopper : AttentionPath::kPortable)
+        << "the family that reads the pages splits";
     check_against(split, p.expected(), "split paged prefill");
     EXPECT_TRUE(bitwise_equal(split, run())) << "a second run() of the same plan differs";
+  }
+}
+
+// Every split count on both families, forced (dispatch::force_prefill_kv_splits): 1, a few, and
+// more runs than a query tile has KV tiles (empty runs write the empty state, which the merge
+// must ignore); a mixed batch with a request without keys and one without queries.
+TEST(GpuPrefillPagedSplit, ForcedSplitCountsOnBothFamilies) {
+  TESSERA_REQUIRE_GPU();
+  PagedCase c;
+  pick_compiled(c.kv.head_dim, c.kv.dtype);
+  c.kv.page_size = 16;
+  c.kv.num_kv_heads = 2;
+  c.num_qo_heads = 8;
+  c.qo_len = {300, 1, 0, 64, 2};
+  c.kv_len = {3000, 2100, 700, 0, 130};
+  PagedProblem p(c, 77);
+  const Expected want = p.expected();
+  struct ForcedSplits {
+    ~ForcedSplits() { dispatch::force_prefill_kv_splits(0); }
+  } lift;
+  for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
+    if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty()) continue;
+    for (bool causal : {true, false}) {
+      for (int splits : {1, 2, 5, 40}) {
+        SCOPED_TRACE(std::string(attention_path_name(path)) + (causal ? " causal" : " non-causal") + " splits " +
+                     std::to_string(splits));
+        PagedProblem q(c, 77);
+        q.c.causal = causal;
+        PagedPrefillConfig cfg;
+        cfg.num_qo_heads = c.num_qo_heads;
+        cfg.head_dim = c.kv.head_dim;
+        cfg.page_size = c.kv.page_size;
+        cfg.max_q_rows = static_cast<int>(q.q.rows);
+        cfg.max_kv_splits = 64;
+        cfg.path = path;
+        DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
+        BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+        dispatch::force_prefill_kv_splits(splits);
+        PagedPrefillArgs a = q.args();
+        a.causal = causal;
+        prefill.plan(a.host_qo_indptr, a.table);
+        EXPECT_EQ(prefill.last_plan().kv_splits, splits);
+        q.poison();
+        prefill.run(a, nullptr);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        check_against(fetch(q.o, q.lse, q.out_shape()), causal ? want : q.expected(), "forced split");
+      }
+    }
   }
 }
 
@@ -700,6 +752,40 @@ TEST(GpuPrefillPagedBadInput, ArgumentsAreValidated) {
 
   // The unedited arguments were valid all along.
   check_against(p.run_and_fetch(), p.expected(), "after rejected calls");
+}
+
+
+// With the device checks compiled in (TESSERA_DEVICE_CHECKS, a Debug build), a device page table
+// whose ids leave the cache (the host copies being fine) traps on both families instead of
+// reading outside the page tensors. Each case runs in a child process (a trap ends the context).
+TEST(GpuDeviceChecks, BrokenPageIdsTrapOnBothFamilies) {
+  TESSERA_REQUIRE_GPU();
+#if !TESSERA_DEVICE_CHECKS
+  GTEST_SKIP() << "the kernels were built without TESSERA_DEVICE_CHECKS (release build)";
+#else
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  for (AttentionPath path : {AttentionPath::kPortable, AttentionPath::kHopper}) {
+    PagedCase c;
+    pick_compiled(c.kv.head_dim, c.kv.dtype);
+    if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty()) continue;
+    SCOPED_TRACE(attention_path_name(path));
+    c.qo_len = {64};
+    c.kv_len = {300};
+    c.path = path;
+    EXPECT_EXIT(
+        {
+          PagedProblem p(c, 5);
+          std::vector<int32_t> broken = p.kv.indices;
+          broken[3] = static_cast<int32_t>(p.kv.num_pages) + 7;
+          p.dkv.indices.upload(broken);
+          batch_prefill_paged(p.args(), nullptr);
+          const cudaError_t err = cudaDeviceSynchronize();
+          std::fprintf(stderr, "cuda: %s\n", cudaGetErrorName(err));
+          std::exit(err == cudaSuccess ? 0 : 3);
+        },
+        ::testing::ExitedWithCode(3), "cuda: cudaError");
+  }
+#endif
 }
 
 }  // namespace

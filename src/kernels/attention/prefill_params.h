@@ -43,6 +43,9 @@ struct PrefillParams {
   int num_qo_heads = 0;
   int num_kv_heads = 0;
   int max_qo_len = 0;  // from the host copy of qo_indptr: sizes the grid
+  // From the host copies: every request has the same qo_len and the same kv_len (the Hopper
+  // family's schedule pairs tiles by cost only then; prefill_dispatch.cpp).
+  bool uniform_lengths = true;
   bool grid_tiles_last = false;  // set by the launcher: the grid's order (see prefill_sm80.cuh)
   // Mask: bottom-right causal and/or a left window (window_left < 0: none).
   bool causal = false;
@@ -50,10 +53,11 @@ struct PrefillParams {
   // Logits: s = scale * q.k; with soft_cap > 0, s = soft_cap * tanh(s / soft_cap).
   float scale = 0.f;
   float soft_cap = 0.f;
-  // Split-KV (kv_splits > 1, portable family): each query tile's visible KV tiles are cut into
-  // kv_splits equal runs, one CTA each, which write fp32 partial states (O normalised, natural-log
-  // LSE; no visible key: O = 0, LSE = -inf) to partial_o [kv_splits, q_rows, num_qo_heads,
-  // head_dim] and partial_lse [kv_splits, q_rows, num_qo_heads]; the caller merges them.
+  // Split-KV (kv_splits > 1, both families): each query tile's visible KV tiles are cut into
+  // kv_splits equal runs (the last shorter, some possibly empty), one work tile each, which write
+  // fp32 partial states (O normalised, natural-log LSE; no visible key: O = 0, LSE = -inf) to
+  // partial_o [kv_splits, q_rows, num_qo_heads, head_dim] and partial_lse [kv_splits, q_rows,
+  // num_qo_heads]; the caller merges them.
   int kv_splits = 1;
   float* partial_o = nullptr;
   float* partial_lse = nullptr;

@@ -114,6 +114,10 @@ struct PrefillConsumer {
     mul_row(o, inv_sum);
     const int g = lane / 4, t = lane % 4;
     const int first_row = w.m0 + 64 * consumer;
+    if (p.base.partial_o != nullptr) {
+      store_partial_state(o, lse, w, first_row);
+      return;
+    }
     bool via_smem = false;
     if constexpr (Config::kStoreOViaSmem) via_smem = p.o_via_tma && first_row + 64 <= w.qo_len;
     if (via_smem) store_o_via_smem(o, w, first_row);
@@ -130,6 +134,24 @@ struct PrefillConsumer {
       }
       if (p.base.lse != nullptr && t == 0)
         p.base.lse[q_row * p.base.lse_stride_row + int64_t(w.head) * p.base.lse_stride_head] = lse[r];
+    }
+  }
+
+  // A KV split's state of this warp's rows, fp32 (O normalised, natural-log LSE; no visible key:
+  // O = 0, LSE = -inf), at partial_o / partial_lse [split, q row, head] (prefill_params.h), for the
+  // caller's merge. Each thread's two neighbouring columns go out as one 8-byte store.
+  __device__ void store_partial_state(const OTile& o, const float (&lse)[2], const WorkTile& w, int first_row) const {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = first_row + 16 * warp + g + 8 * r;
+      if (row >= w.qo_len) continue;
+      const int64_t state = (int64_t(w.split) * p.base.q_rows + w.q_start + row) * p.base.num_qo_heads + w.head;
+      float* dst = p.base.partial_o + state * kHeadDim;
+#pragma unroll
+      for (int j = 0; j < OTile::kBlocks; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j + 2 * t) = make_float2(o.v[j][2 * r], o.v[j][2 * r + 1]);
+      if (t == 0) p.base.partial_lse[state] = lse[r];
     }
   }
 

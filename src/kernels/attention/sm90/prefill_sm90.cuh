@@ -103,7 +103,8 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   PrefillSm90Params params;
   params.base = base;
   params.m_tiles = m_tiles;
-  params.tiles = base.batch_size * base.num_qo_heads * m_tiles;  // < 2^31: checked by the dispatcher
+  // < 2^31: checked by the dispatcher (and kv_splits x tiles by BatchPrefillPaged's plan)
+  params.tiles = base.batch_size * base.num_qo_heads * m_tiles * std::max(1, base.kv_splits);
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
   params.run_length = std::max(1, schedule.run_length);
@@ -122,7 +123,9 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
     params.k_map = maps.k;
     params.v_map = maps.v;
   }
-  if constexpr (Config::kStoreOViaSmem) params.o_via_tma = output_tensor_map(dtype_of<T>(), base, kHeadDim, &params.o_map);
+  if constexpr (Config::kStoreOViaSmem) {
+    if (base.partial_o == nullptr) params.o_via_tma = output_tensor_map(dtype_of<T>(), base, kHeadDim, &params.o_map);
+  }
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
   const int grid = persistent ? std::min(runs, num_sms) : params.tiles;

@@ -28,8 +28,12 @@ struct PrefillSm90Schedule {
 bool prefill_sm90_compiled(DType dtype, int head_dim);
 // Shared memory one CTA of the family needs at head_dim (0 if not compiled).
 int prefill_sm90_smem_bytes(int head_dim);
-// Query rows of one tile at head_dim.
-int prefill_sm90_block_m(int head_dim);
+// Query rows and keys of one tile at head_dim ({128, 128} if not compiled).
+struct PrefillSm90Tile {
+  int block_m, block_n;
+};
+PrefillSm90Tile prefill_sm90_tile(int head_dim);
+inline int prefill_sm90_block_m(int head_dim) { return prefill_sm90_tile(head_dim).block_m; }
 // Launches the family on an sm_90 GPU with num_sms SMs. Throws tessera::Error for a combination
 // that was not compiled or a tensor the copy engine cannot describe.
 void launch_prefill_sm90(DType dtype, int head_dim, const PrefillParams& params,

@@ -1,6 +1,7 @@
-// Which (request, query head, query tile) a CTA of the Hopper prefill kernel computes, and in what
-// order. The work is a list of tiles in a linear order (TileOrder); a scheduler hands list
-// positions to CTAs:
+// Which (request, query head, query tile[, KV split]) a CTA of the Hopper prefill kernel computes,
+// and in what order. The work is a list of tiles in a linear order (TileOrder); with a KV split
+// (kv_splits > 1) each tile is kv_splits list positions in a row, one per run of its KV tiles. A
+// scheduler hands list positions to CTAs:
 //   - SingleTileScheduler: one tile per CTA, grid = the list; the hardware starts CTAs roughly in
 //     list order as SMs free up (dynamic, longest-first when the list is sorted so).
 //   - StaticPersistentScheduler: one CTA per SM walks positions blockIdx.x, + gridDim.x, ...:
@@ -18,9 +19,11 @@
 namespace tessera::kernels::sm90 {
 
 // What one tile of the list covers: query rows [m0, m0 + kBlockM) of (request, head), against
-// the KV tiles [first_kv_tile, end_kv_tile) that meet the mask band of any of its rows.
+// the KV tiles [first_kv_tile, end_kv_tile) that meet the mask band of any of its rows (with a KV
+// split: split's run of them, possibly none).
 struct WorkTile {
   int request, head, kv_head;
+  int split;  // which of kv_splits runs (0 without a split)
   int m0;
   int q_start, qo_len;
   int kv_start, kv_len;  // kv_start: the request's first K / V row, or first kv_indices entry (paged)
@@ -58,7 +61,9 @@ template <int kBlockM, int kBlockN, typename KV>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
   WorkTile w;
   int m_tile;
-  decode_position(p, position, w.request, w.head, m_tile);
+  const int tile = p.base.kv_splits > 1 ? position / p.base.kv_splits : position;
+  w.split = position - tile * p.base.kv_splits;
+  decode_position(p, tile, w.request, w.head, m_tile);
   w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
   w.m0 = m_tile * kBlockM;
   w.q_start = warp_uniform(p.base.qo_indptr[w.request]);
@@ -70,6 +75,11 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   const int n_end = w.band.key_end(last_row);
   w.first_kv_tile = n_begin / kBlockN;
   w.end_kv_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : w.first_kv_tile;
+  if (p.base.kv_splits > 1) {  // the portable family's runs (prefill_sm80.cuh): equal, the last shorter
+    const int per_split = (w.end_kv_tile - w.first_kv_tile + p.base.kv_splits - 1) / p.base.kv_splits;
+    w.first_kv_tile = min(w.end_kv_tile, w.first_kv_tile + w.split * per_split);
+    w.end_kv_tile = min(w.end_kv_tile, w.first_kv_tile + per_split);
+  }
   return w;
 }
 

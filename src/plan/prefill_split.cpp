@@ -1,0 +1,76 @@
+#include "plan/prefill_split.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/attention/common/mask.cuh"
+
+namespace tessera::plan {
+
+PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m) {
+  PrefillSplitCost c;
+  // The family's matrix rate per SM at long prefill (H200: 680 TFLOP/s over 132 SMs at hd128 8K,
+  // 765 at hd256, 550 at hd64; bench/results/2026-12-01_h200_8e515cb_prefill.json), per KV tile
+  // of block_m x 128 keys.
+  const double tflops = head_dim == 256 ? 765.0 : head_dim == 64 ? 550.0 : 680.0;
+  const double flops_per_key = 4.0 * block_m * head_dim;
+  c.kv_tile_us = flops_per_key * 128.0 / (tflops * 1e12 / 132.0) * 1e6;
+  c.tile_start_us = 2.0;
+  c.partial_gb_per_s = 3000.0;
+  c.merge_launch_us = 4.0;
+  return c;
+}
+
+namespace {
+
+// One query tile's KV tiles, as the kernels count them (tile_scheduler_sm90.cuh).
+int64_t kv_tiles_of(const kernels::MaskBand& band, int m0, int block_m, int block_n) {
+  const int last_row = std::min(m0 + block_m, band.qo_len) - 1;
+  const int begin = band.key_begin(m0), end = band.key_end(last_row);
+  return end > begin ? (int64_t(end) + block_n - 1) / block_n - begin / block_n : 0;
+}
+
+}  // namespace
+
+PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const PrefillSplitCost& cost) {
+  PrefillSplitChoice best;
+  const int64_t rows = pr.batch > 0 ? pr.qo_indptr[pr.batch] - pr.qo_indptr[0] : 0;
+  const double kv_tile_us = cost.kv_tile_us * pr.block_n / 128.0;
+  bool any = false;
+  for (int splits = 1; splits <= std::max(1, pr.max_splits); ++splits) {
+    double longest = 0.0, total = 0.0;
+    for (int64_t r = 0; r < pr.batch; ++r) {
+      const int qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
+      const int64_t pages = int64_t(pr.kv_indptr[r + 1]) - pr.kv_indptr[r];
+      // run() rejects a table whose lengths the kernels cannot take; here they only steer the split.
+      const int64_t keys = pages <= 0 ? 0 : (pages - 1) * pr.page_size + pr.last_page_len[r];
+      const int kv = static_cast<int>(std::clamp<int64_t>(keys, 0, int64_t(1) << 30));
+      const kernels::MaskBand band{qo, kv, kv - qo, pr.causal, pr.window_left};
+      for (int m0 = 0; m0 < qo; m0 += pr.block_m) {
+        const int64_t tiles = kv_tiles_of(band, m0, pr.block_m, pr.block_n);
+        const int64_t run = (tiles + splits - 1) / splits;
+        longest = std::max(longest, cost.tile_start_us + run * kv_tile_us);
+        total += splits * cost.tile_start_us + tiles * kv_tile_us;
+      }
+    }
+    total *= pr.num_qo_heads;
+    if (longest == 0.0) break;  // nothing to compute
+    any = true;
+    const double waves = std::ceil(total / (double(pr.slots) * longest));
+    double us = waves * longest;
+    if (splits > 1) {
+      const double bytes = double(rows) * pr.num_qo_heads * splits * (pr.head_dim + 1) * 4.0 * 2.0;
+      us += cost.merge_launch_us + bytes / (cost.partial_gb_per_s * 1e3);
+    }
+    if (splits == 1) best.unsplit_us = us;
+    if (splits == 1 || us < best.estimated_us) {
+      best.splits = splits;
+      best.estimated_us = us;
+    }
+  }
+  if (!any) best.splits = 1;
+  return best;
+}
+
+}  // namespace tessera::plan

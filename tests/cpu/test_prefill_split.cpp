@@ -1,0 +1,111 @@
+// The paged prefill's KV split (plan/prefill_split.h): the cost model's choices on the shapes it
+// exists for (a short chunk over a long history) and the ones it must leave alone.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "plan/prefill_split.h"
+
+using namespace tessera::plan;
+
+namespace {
+
+struct Batch {
+  std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, last;
+  void add(int32_t qo, int32_t kv, int32_t page = 16) {
+    qo_indptr.push_back(qo_indptr.back() + qo);
+    const int32_t pages = (kv + page - 1) / page;
+    kv_indptr.push_back(kv_indptr.back() + pages);
+    last.push_back(pages ? kv - (pages - 1) * page : 0);
+  }
+};
+
+// hd128 on the H200: 128 x 128 tiles, 132 SMs.
+PrefillSplitChoice choose(const Batch& b, int heads, bool causal = true, int max_splits = 16, int window = -1) {
+  PrefillSplitProblem p;
+  p.qo_indptr = b.qo_indptr.data();
+  p.kv_indptr = b.kv_indptr.data();
+  p.last_page_len = b.last.data();
+  p.page_size = 16;
+  p.batch = static_cast<int64_t>(b.last.size());
+  p.num_qo_heads = heads;
+  p.head_dim = 128;
+  p.block_m = 128;
+  p.block_n = 128;
+  p.causal = causal;
+  p.window_left = window;
+  p.slots = 132;
+  p.max_splits = max_splits;
+  return choose_prefill_split(p, hopper_prefill_split_cost(128, 128));
+}
+
+}  // namespace
+
+// 32 query tiles (one 128-token chunk x 32 heads) over 32K keys: split until the tiles about fill
+// one wave of 132 SMs (4 x 32 = 128), not into many short runs whose partials cost more.
+TEST(PrefillSplit, ShortChunkOverLongHistoryFillsOneWave) {
+  Batch b;
+  b.add(128, 32768);
+  const PrefillSplitChoice c = choose(b, 32);
+  EXPECT_EQ(c.splits, 4);
+  EXPECT_LT(c.estimated_us, c.unsplit_us / 3.0) << "one wave instead of 32 of 132 SMs busy";
+}
+
+// 64 tiles: two runs each fill 128 of 132 SMs.
+TEST(PrefillSplit, TwoChunksSplitInTwo) {
+  Batch b;
+  b.add(128, 32768);
+  b.add(128, 32768);
+  EXPECT_EQ(choose(b, 32).splits, 2);
+}
+
+// A step whose tiles already fill the SMs (128 of 132) is not split: a split would add a second
+// wave of half-length tiles plus the merge.
+TEST(PrefillSplit, FullWaveIsNotSplit) {
+  Batch b;
+  b.add(512, 32768);
+  const PrefillSplitChoice c = choose(b, 32);
+  EXPECT_EQ(c.splits, 1);
+  EXPECT_DOUBLE_EQ(c.estimated_us, c.unsplit_us);
+}
+
+// Short histories: a run's start-up and the merge outweigh the gain of a full wave.
+TEST(PrefillSplit, ShortHistoryIsNotSplitFar) {
+  Batch b;
+  b.add(128, 512);
+  EXPECT_LE(choose(b, 8).splits, 2);
+  Batch none;
+  none.add(0, 4096);  // no query rows: nothing to estimate
+  EXPECT_EQ(choose(none, 8).splits, 1);
+}
+
+// The band decides the keys: a 1K window over a 64K history is a short history (9 KV tiles a
+// query tile instead of 512).
+TEST(PrefillSplit, WindowLimitsTheKeysThatCount) {
+  Batch b;
+  b.add(128, 65536);
+  const PrefillSplitChoice full = choose(b, 32, true, 16), windowed = choose(b, 32, true, 16, /*window=*/1024);
+  EXPECT_EQ(full.splits, 4);
+  EXPECT_LT(windowed.unsplit_us, full.unsplit_us / 20);
+  EXPECT_LT(windowed.splits, full.splits);
+}
+
+// The cap holds, and the choice never estimates worse than no split, on random batches.
+TEST(PrefillSplit, CapAndNeverWorseThanUnsplit) {
+  std::mt19937 rng(5);
+  for (int t = 0; t < 500; ++t) {
+    Batch b;
+    const int n = 1 + int(rng() % 6);
+    for (int r = 0; r < n; ++r) {
+      const int32_t kv = int32_t(rng() % 70000);
+      b.add(kv == 0 ? 0 : 1 + int32_t(rng() % std::min<int32_t>(kv, 700)), kv);
+    }
+    const int cap = 1 + int(rng() % 32);
+    const PrefillSplitChoice c = choose(b, 1 + int(rng() % 40), rng() % 2 == 0, cap);
+    EXPECT_GE(c.splits, 1);
+    EXPECT_LE(c.splits, cap);
+    EXPECT_LE(c.estimated_us, c.unsplit_us);
+  }
+}
