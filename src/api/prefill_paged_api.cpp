@@ -127,7 +127,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
       problem.slots = num_sms_;
       problem.max_splits = config_.max_kv_splits;
       const plan::PrefillSplitChoice choice =
-          plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m));
+          plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m, config_.page_size));
       info_.kv_splits = choice.splits;
       info_.estimated_us = choice.estimated_us;
     }

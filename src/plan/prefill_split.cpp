@@ -8,14 +8,20 @@
 
 namespace tessera::plan {
 
-PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m) {
+PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m, int page_size) {
   PrefillSplitCost c;
-  // The family's matrix rate per SM at long prefill (H200: 680 TFLOP/s over 132 SMs at hd128 8K,
-  // 765 at hd256, 550 at hd64; bench/results/2026-12-01_h200_8e515cb_prefill.json), per KV tile
-  // of block_m x 128 keys.
-  const double tflops = head_dim == 256 ? 765.0 : head_dim == 64 ? 550.0 : 680.0;
+  // The family's rate per SM, as TFLOP/s over the H200's 132 SMs. Pages of 64 tokens or more read
+  // as fast as a ragged tensor (hd128 8K: 680; hd256 765, hd64 550; bench/results/2026-12-01_h200_
+  // 8e515cb_prefill.json); smaller pages are copy-request-bound (page 16: 0.80 / 0.70 / 0.87 of
+  // that, notes/prefill_hopper.md; hd128 fitted on the split sweep: 540).
+  const bool small_pages = page_size < 64;
+  const double tflops = head_dim == 256 ? (small_pages ? 535.0 : 765.0)
+                        : head_dim == 64 ? (small_pages ? 480.0 : 550.0)
+                                         : (small_pages ? 540.0 : 680.0);
   const double flops_per_key = 4.0 * block_m * head_dim;
   c.kv_tile_us = flops_per_key * 128.0 / (tflops * 1e12 / 132.0) * 1e6;
+  // Fitted on the same sweep (q128 over 8K / 32K, 1-2 requests, 1-16 splits: the model within 5%
+  // of every measured time, notes/prefill_paged.md).
   c.tile_start_us = 2.0;
   c.partial_gb_per_s = 3000.0;
   c.merge_launch_us = 4.0;

@@ -22,8 +22,9 @@ struct PrefillSplitCost {
   double merge_launch_us = 0.0;
 };
 
-// The Hopper family's figures at head_dim (64, 128 or 256) with block_m query rows per tile.
-PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m);
+// The Hopper family's figures at head_dim (64, 128 or 256) with block_m query rows per tile,
+// reading pages of page_size tokens.
+PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m, int page_size);
 
 struct PrefillSplitProblem {
   // Host copies: qo_indptr [batch + 1]; the page table's indptr [batch + 1] (pages) and

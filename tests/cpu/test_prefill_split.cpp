@@ -38,7 +38,7 @@ PrefillSplitChoice choose(const Batch& b, int heads, bool causal = true, int max
   p.window_left = window;
   p.slots = 132;
   p.max_splits = max_splits;
-  return choose_prefill_split(p, hopper_prefill_split_cost(128, 128));
+  return choose_prefill_split(p, hopper_prefill_split_cost(128, 128, 16));
 }
 
 }  // namespace
@@ -71,11 +71,11 @@ TEST(PrefillSplit, FullWaveIsNotSplit) {
   EXPECT_DOUBLE_EQ(c.estimated_us, c.unsplit_us);
 }
 
-// Short histories: a run's start-up and the merge outweigh the gain of a full wave.
-TEST(PrefillSplit, ShortHistoryIsNotSplitFar) {
+// Short histories: a run's start-up and the merge outweigh the gain of more busy SMs.
+TEST(PrefillSplit, ShortHistoryIsNotSplit) {
   Batch b;
-  b.add(128, 512);
-  EXPECT_LE(choose(b, 8).splits, 2);
+  b.add(128, 256);
+  EXPECT_EQ(choose(b, 8).splits, 1);
   Batch none;
   none.add(0, 4096);  // no query rows: nothing to estimate
   EXPECT_EQ(choose(none, 8).splits, 1);

@@ -661,6 +661,10 @@ TEST(GpuMoeGemm, EveryHopperTileShape) {
 // same allocation) must keep their poison.
 TEST(GpuMoeGemm, BrokenOffsetsStayInBounds) {
   TESSERA_REQUIRE_GPU();
+#if TESSERA_DEVICE_CHECKS
+  GTEST_SKIP() << "the kernels were built with TESSERA_DEVICE_CHECKS: broken device data traps instead "
+                  "(GpuDeviceChecks.BrokenDeviceDataTraps)";
+#endif
   const int experts = 256, k = 136, n = 272, rows = 384, guard = 256;
   DeviceBuffer a(size_t(rows + guard) * k * 2), w(size_t(experts) * n * k * 2), off(size_t(experts + 1) * 4),
       out(size_t(rows + guard) * n * 2);
@@ -996,6 +1000,10 @@ TEST(GpuMoeCombine, AgainstTheReference) {
 // integers and power-of-two weights: the sums are exact.
 TEST(GpuMoeCombine, InverseOutsideExpertOutIsSkipped) {
   TESSERA_REQUIRE_GPU();
+#if TESSERA_DEVICE_CHECKS
+  GTEST_SKIP() << "the kernels were built with TESSERA_DEVICE_CHECKS: broken device data traps instead "
+                  "(GpuDeviceChecks.BrokenDeviceDataTraps)";
+#endif
   const int tokens = 4, top_k = 4, hidden = 64, rows = 8;
   const std::vector<int32_t> inverse = {0, 8, 1, -1,            //
                                         INT32_MAX, 2, -7, 3,    //
