@@ -11,9 +11,9 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
-#include <array>
 #include <functional>
 #include <iterator>
 #include <numeric>
@@ -24,6 +24,8 @@
 #include "dispatch/prefill_dispatch.h"
 #include "gpu/gpu_test_util.h"
 #include "gpu/paged_kv_util.h"
+#include "kernels/attention/sm90/tensor_map_sm90.h"
+#include "tessera_instantiations.h"
 #include "reference/attention_ref.h"
 #include "tessera/attention.h"
 
@@ -754,6 +756,54 @@ TEST(GpuPrefillPagedBadInput, ArgumentsAreValidated) {
   check_against(p.run_and_fetch(), p.expected(), "after rejected calls");
 }
 
+
+// The copy engine takes the grouped maps (one box per page run) for the usual caches, NHD and HND,
+// combined K / V pages included; padded heads in NHD fall back to one box per 8 rows.
+TEST(GpuPrefillPaged, UsualCachesTakeGroupedMaps) {
+  TESSERA_REQUIRE_GPU();
+  int head_dim = 128;
+  DType dtype = DType::kBF16;
+  pick_compiled(head_dim, dtype);
+#if !TESSERA_INST_HOPPER
+  GTEST_SKIP() << "the Hopper family is not built (TESSERA_HOPPER=OFF)";
+#else
+  if (!hopper_unavailable(dtype, head_dim).empty()) GTEST_SKIP() << hopper_unavailable(dtype, head_dim);
+  struct Case {
+    KVLayout layout;
+    int64_t head_pad, page_gap;  // page_gap: K and V pages interleaved ([pages, 2, ...])
+    bool grouped;
+  };
+  for (const Case& k : {Case{KVLayout::kNHD, 0, 0, true}, Case{KVLayout::kHND, 0, 0, true},
+                        Case{KVLayout::kNHD, 0, 1, true}, Case{KVLayout::kHND, 8, 1, true},
+                        Case{KVLayout::kNHD, 8, 0, false}}) {
+    KVGeometry g;
+    g.layout = k.layout;
+    g.head_dim = head_dim;
+    g.num_kv_heads = 4;
+    g.head_pad = k.head_pad;
+    const std::array<int64_t, 3> s = page_strides(g, 0);
+    const int64_t pages = 6, page_stride = s[0] * (1 + k.page_gap);
+    DeviceBuffer buf(size_t(pages * page_stride * 2 + 4096));
+    kernels::PrefillParams p;
+    p.q = p.k = p.v = buf.get();
+    p.q_rows = 64;
+    p.num_qo_heads = 4;
+    p.q_stride_row = 4 * head_dim;
+    p.q_stride_head = head_dim;
+    p.num_kv_heads = g.num_kv_heads;
+    p.page_size = g.page_size;
+    p.num_pages = pages;
+    const bool nhd = k.layout == KVLayout::kNHD;
+    p.k_stride_page = p.v_stride_page = static_cast<int32_t>(page_stride);
+    p.k_stride_token = p.v_stride_token = static_cast<int32_t>(nhd ? s[1] : s[2]);
+    p.k_stride_head = p.v_stride_head = nhd ? s[2] : s[1];
+    const kernels::sm90::PagedTensorMaps maps = kernels::sm90::paged_tensor_maps(dtype, p, head_dim, 128, 128);
+    EXPECT_EQ(maps.grouped, k.grouped) << kv_layout_name(k.layout) << " head_pad " << k.head_pad << " page_gap "
+                                       << k.page_gap;
+    if (maps.grouped) EXPECT_EQ(maps.head_in_blocks, nhd);
+  }
+#endif
+}
 
 // With the device checks compiled in (TESSERA_DEVICE_CHECKS, a Debug build), a device page table
 // whose ids leave the cache (the host copies being fine) traps on both families instead of

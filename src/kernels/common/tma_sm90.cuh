@@ -118,6 +118,15 @@ __device__ __forceinline__ void tma_load_4d(const CUtensorMap* map, Mbarrier* ba
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_5d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1,
+                                            int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(&bar->word)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // Stores: a 2-D box of shared memory at `src` (the layout the map's swizzle names) into `map` at
 // (c0, c1); elements past the tensor's dims are not written. Issued by the threads where `pred`
 // holds, predicated inside the instruction (see Mbarrier::arrive_if: no divergent branch between

@@ -79,14 +79,57 @@ struct Sw128Tile {
 #pragma unroll
     for (int c = 0; c < kColBlocks; ++c) tma_load_3d(map, bar, block(c), c * kBlockCols, head, row0);
   }
-  // Rows [row, row + box_rows) of the tile from one page of a 4-D tensor map whose dims are
-  // (innermost first) kCols, then the page's token and head dims in the order of their strides,
-  // then the page (box 64 x box_rows x 1 x 1 or 64 x 1 x box_rows x 1): one copy per column block,
-  // at coordinates (column, c1, c2, page). `row` must be a multiple of 8, so each box starts on a
-  // whole 1024-byte swizzle atom and lands where the whole-tile copy would have put it.
-  __device__ void load_page_rows(const CUtensorMap* map, Mbarrier* bar, int row, int c1, int c2, int page) const {
+};
+
+// The same operands with the column blocks interleaved per 8-row group: group g (rows 8g .. 8g + 7)
+// holds its kColBlocks 1024-byte swizzle atoms side by side, so one TMA box of 8 x 64 elements x
+// kColBlocks x (rows / 8) lands all columns of a run of rows (a page's rows: one copy per page
+// instead of one per column block; kv_source_sm90.cuh). The descriptors' 8-row stride is then
+// kGroupBytes and the column blocks are 1024 bytes apart.
+template <typename T, int kRowsT, int kColsT>
+struct Sw128GroupedTile {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  static constexpr int kRows = kRowsT, kCols = kColsT;
+  static constexpr int kBlockCols = 64;
+  static constexpr int kColBlocks = kCols / kBlockCols;
+  static constexpr int kGroupBytes = kColBlocks * 1024;
+  static constexpr int kBytes = (kRows / 8) * kGroupBytes;
+  static_assert(kCols % kBlockCols == 0 && kRows % 8 == 0, "whole 8-row x 128-byte swizzle atoms");
+  unsigned char* base;  // 1024-byte aligned
+
+  // Row `row` (a multiple of 8) of column block c.
+  __device__ unsigned char* atom(int row, int c) const { return base + (row / 8) * kGroupBytes + c * 1024; }
+  __device__ uint64_t k_major(int row0, int k) const {
+    const uint32_t addr = smem_u32(atom(row0, k / 4)) + (k % 4) * 32;
+    return Sw128Tile<T, 8, 64>::descriptor(addr, 16, kGroupBytes);
+  }
+  __device__ uint64_t mn_major(int k) const {
+    return Sw128Tile<T, 8, 64>::descriptor(smem_u32(base) + 2 * k * kGroupBytes, 1024, kGroupBytes);
+  }
+  __device__ void zero_rows(int from_row, int lane, int lanes) const {
+    constexpr int kChunksPerRow = kColBlocks * 8;  // 16-byte chunks
+    const int chunks = (kRows - from_row) * kChunksPerRow;
+    for (int i = lane; i < chunks; i += lanes) {
+      const int row = from_row + i / kChunksPerRow, rest = i % kChunksPerRow;
+      uint4* dst = reinterpret_cast<uint4*>(atom(row & ~7, rest / 8) + (row % 8) * 128 + (rest % 8) * 16);
+      *dst = make_uint4(0, 0, 0, 0);
+    }
+  }
+  // Rows [row, row + box_rows) in one copy from a 5-D map whose box is 64 x 8 x kColBlocks x
+  // (box_rows / 8) x 1 (tensor_map_sm90.cpp, grouped maps), at coordinates (0, 0, c2, c3, c4).
+  __device__ void load_grouped_rows(const CUtensorMap* map, Mbarrier* bar, int row, int c2, int c3, int c4) const {
+    tma_load_5d(map, bar, atom(row, 0), 0, 0, c2, c3, c4);
+  }
+  // The same rows from a 4-D map over the pages (innermost first: head_dim, the page's token and
+  // head dims in stride order, pages) with 64 x 8-row boxes, at (column, c1, c2, page); the token
+  // coordinate is c1 or c2 as token_first says. One copy per 8-row group and column block.
+  __device__ void load_page_rows(const CUtensorMap* map, Mbarrier* bar, int row, int box_rows, bool token_first,
+                                 int c1, int c2, int page) const {
+    for (int g = 0; g < box_rows; g += 8) {
 #pragma unroll
-    for (int c = 0; c < kColBlocks; ++c) tma_load_4d(map, bar, block(c) + row * 128, c * kBlockCols, c1, c2, page);
+      for (int c = 0; c < kColBlocks; ++c)
+        tma_load_4d(map, bar, atom(row + g, c), c * kBlockCols, token_first ? c1 + g : c1, token_first ? c2 : c2 + g, page);
+    }
   }
 };
 

@@ -3,11 +3,15 @@
 //   RaggedKVSm90: a ragged [total_kv, heads, head_dim] tensor (k_map / v_map 3-D); kv_start is the
 //     request's first row; a tile is one TMA box of kBlockN rows per 64-column block.
 //   PagedKVSm90: pages [num_pages, page_size, heads, head_dim] (NHD) or [num_pages, heads,
-//     page_size, head_dim] (HND) behind 4-D maps (the layout is only the maps' dim order and
-//     strides); kv_start is the request's first entry of kv_indices. A tile of kBlockN keys is
-//     kBlockN / box_rows boxes of box_rows = gcd(page_size, kBlockN) rows (a multiple of 8: each
-//     box lies inside one page and starts on a 1024-byte swizzle atom); lane j of the producer
-//     warp looks up box j's page and copies it, so a tile costs one index load per lane.
+//     page_size, head_dim] (HND) behind 5-D grouped maps, or 4-D ones for padded heads
+//     (tensor_map_sm90.h; the layout is only the maps' dim order and strides), into tiles whose
+//     column blocks are interleaved per 8 rows (Sw128GroupedTile); kv_start is the request's first
+//     entry of kv_indices. A tile of kBlockN keys is kBlockN / box_rows runs of box_rows =
+//     gcd(page_size, kBlockN) rows (a multiple of 8: each run lies inside one page and starts on
+//     a whole 8-row group); lane j of the producer warp looks up run j's page and copies it: one
+//     box with a grouped map (all column blocks: the copy engine serves about one box per 50 ns
+//     per SM, so page-16 tiles of one box per column block and page were request-bound), else
+//     one per 8 rows and column block. A tile costs one index load per lane.
 // Keys past kv_len: ragged, the next request's rows; paged, the rest of the last page, and boxes
 // wholly past kv_len are not copied (their shared memory keeps an older tile). The consumers mask
 // those logits and the producer zeroes those V rows (prefill_producer_sm90.cuh), so neither
@@ -79,7 +83,7 @@ struct PagedKVSm90 {
     }
     return where;
   }
-  // token_first: the map's second dim is the token dim (PrefillSm90Params::k/v_token_dim_first).
+  // token_first: the 4-D map's second dim is the token dim (PrefillSm90Params::k/v_token_dim_first).
   template <typename Tile>
   __device__ static void load(const PrefillSm90Params& p, const CUtensorMap* map, bool token_first, const Tile& tile,
                               Mbarrier& full, int kv_head, const Where& where, int lane) {
@@ -87,8 +91,16 @@ struct PagedKVSm90 {
     if (lane == 0) full.arrive_expect_tx(uint32_t(where.boxes) * p.kv_box_rows * 128 * Tile::kColBlocks);
     __syncwarp();
     if (lane < where.boxes) {
-      if (token_first) tile.load_page_rows(map, &full, where.row, where.token, kv_head, where.page);
-      else tile.load_page_rows(map, &full, where.row, kv_head, where.token, where.page);
+      if (p.kv_grouped) {
+        // NHD: the head's column blocks among all heads'; HND: its 8-token groups among all heads'.
+        const int block = p.kv_head_in_blocks ? kv_head * Tile::kColBlocks : 0;
+        const int group = p.kv_head_in_blocks ? where.token / 8 : (kv_head * p.base.page_size + where.token) / 8;
+        tile.load_grouped_rows(map, &full, where.row, block, group, where.page);
+      } else if (token_first) {
+        tile.load_page_rows(map, &full, where.row, p.kv_box_rows, true, where.token, kv_head, where.page);
+      } else {
+        tile.load_page_rows(map, &full, where.row, p.kv_box_rows, false, kv_head, where.token, where.page);
+      }
     }
   }
 };

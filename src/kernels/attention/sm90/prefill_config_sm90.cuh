@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/tma_sm90.cuh"
 #include "kernels/common/wgmma_sm90.cuh"
@@ -81,11 +82,13 @@ struct PrefillSm90Config {
 };
 
 // The dynamic shared memory of one CTA: the Q tile, the K and V rings, the consumers' O tiles
-// (kStoreOViaSmem) and the barriers.
-template <typename T, typename Config>
+// (kStoreOViaSmem) and the barriers. K / V tiles of paged sources interleave their column blocks
+// per 8 rows (Sw128GroupedTile: one copy per page run; kv_source_sm90.cuh); the sizes agree.
+template <typename T, typename Config, bool kGroupedKV = false>
 struct PrefillSm90Smem {
   using QTile = Sw128Tile<T, Config::kBlockM, Config::kHeadDim>;
-  using KVTile = Sw128Tile<T, Config::kBlockN, Config::kHeadDim>;
+  using KVTile = std::conditional_t<kGroupedKV, Sw128GroupedTile<T, Config::kBlockN, Config::kHeadDim>,
+                                    Sw128Tile<T, Config::kBlockN, Config::kHeadDim>>;
   static constexpr int kStages = Config::kStages;
   static constexpr int kQStages = Config::kQStages;
   static constexpr int kQOffset = 0;

@@ -21,10 +21,10 @@
 
 namespace tessera::kernels::sm90 {
 
-template <typename T, typename Config, typename Logits>
+template <typename T, typename Config, typename Logits, bool kGroupedKV>
 struct PrefillConsumer {
   static constexpr int kHeadDim = Config::kHeadDim, kBlockN = Config::kBlockN;
-  using Smem = PrefillSm90Smem<T, Config>;
+  using Smem = PrefillSm90Smem<T, Config, kGroupedKV>;
   using STile = AccTile<kBlockN>;           // this warp's 16 rows of S (and P, in fp32)
   using OTile = AccTile<kHeadDim>;          // this warp's 16 rows of O
   using PFragments = AFragments<T, kBlockN>;  // P in T, as the A operand of P V

@@ -22,8 +22,8 @@ namespace tessera::kernels::sm90 {
 
 template <typename T, typename Config, typename Scheduler, typename KV>
 __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p,
-                                                      const PrefillSm90Smem<T, Config>& smem) {
-  using Smem = PrefillSm90Smem<T, Config>;
+                                                      const PrefillSm90Smem<T, Config, KV::kPaged>& smem) {
+  using Smem = PrefillSm90Smem<T, Config, KV::kPaged>;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN;
   const int lane = threadIdx.x % 32;
   auto& bar = smem.barriers();

@@ -28,7 +28,7 @@ namespace tessera::kernels::sm90 {
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ unsigned char raw_smem[];
-  const PrefillSm90Smem<T, Config> smem(raw_smem);
+  const PrefillSm90Smem<T, Config, KV::kPaged> smem(raw_smem);
   constexpr int kConsumerWarps = 4 * Config::kConsumers;
   if (threadIdx.x == 0) {
     auto& bar = smem.barriers();
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     if (threadIdx.x < 32) prefill_producer_warp<T, Config, Scheduler, KV>(p, smem);
   } else {
     warpgroup_registers_increase<Config::kConsumerRegisters>();
-    PrefillConsumer<T, Config, Logits> consumer(p, smem, warpgroup - 1);
+    PrefillConsumer<T, Config, Logits, KV::kPaged> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
     for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
       const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV>(p, position);
@@ -73,7 +73,7 @@ constexpr DType dtype_of() {
 
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 void launch_prefill_sm90_variant(const PrefillSm90Params& params, int grid, cudaStream_t stream) {
-  constexpr int kSmemBytes = PrefillSm90Smem<T, Config>::kBytes;
+  constexpr int kSmemBytes = PrefillSm90Smem<T, Config, KV::kPaged>::kBytes;
   auto kernel = prefill_sm90_kernel<T, Config, Logits, Scheduler, KV>;
   static tessera::detail::OncePerDevice smem_limit_raised;
   smem_limit_raised([&] {
@@ -115,6 +115,8 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
     params.v_map = maps.v;
     params.kv_box_rows = maps.kv_box_rows;
     params.kv_tile_rows = Config::kBlockN;
+    params.kv_grouped = maps.grouped;
+    params.kv_head_in_blocks = maps.head_in_blocks;
     params.k_token_dim_first = maps.k_token_dim_first;
     params.v_token_dim_first = maps.v_token_dim_first;
   } else {

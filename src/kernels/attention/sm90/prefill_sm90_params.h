@@ -25,6 +25,7 @@ struct PrefillSm90Params {
   // the page's token dim (HND: tokens are closer than heads) rather than its head dim (NHD).
   int kv_box_rows = 0;
   int kv_tile_rows = 0;  // kBlockN
+  bool kv_grouped = false, kv_head_in_blocks = false;  // PagedTensorMaps::grouped / head_in_blocks
   bool k_token_dim_first = false, v_token_dim_first = false;
 };
 

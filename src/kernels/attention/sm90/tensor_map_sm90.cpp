@@ -50,6 +50,28 @@ CUtensorMap paged_map(const char* what, DType dtype, const void* data, const Pre
                                  dtype, 4, data, dims, strides, box);
 }
 
+// One page tensor as a grouped map (PagedTensorMaps::grouped), or false (leaving *map alone) when
+// its heads are padded.
+bool grouped_paged_map(const char* what, DType dtype, const void* data, const PrefillParams& p, int head_dim,
+                       int64_t head_stride, int64_t token_stride, int64_t page_stride, bool nhd, int box_rows,
+                       CUtensorMap* map) {
+  const int64_t esize = 2;
+  const int64_t heads = p.num_kv_heads, blocks = head_dim / 64, pages = std::max<int64_t>(p.num_pages, 1);
+  if (heads > 1 && head_stride != (nhd ? int64_t(head_dim) : p.page_size * token_stride)) return false;
+  const int64_t groups = nhd ? p.page_size / 8 : heads * p.page_size / 8;
+  const int64_t page_bytes = pages == 1 ? groups * 8 * token_stride * esize : page_stride * esize;
+  const uint64_t dims[5] = {64, 8, uint64_t(nhd ? heads * blocks : blocks), uint64_t(groups), uint64_t(pages)};
+  const uint64_t strides[4] = {uint64_t(token_stride * esize), 64 * esize, uint64_t(8 * token_stride * esize),
+                               uint64_t(page_bytes)};
+  const uint32_t box[5] = {64, 8, uint32_t(blocks), uint32_t(box_rows / 8), 1};
+  try {
+    *map = encode_tensor_map_16bit(what, "grouped", dtype, 5, data, dims, strides, box);
+  } catch (const Error&) {
+    return false;  // the 4-D maps then say what the copy engine cannot describe, if anything
+  }
+  return true;
+}
+
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 
 }  // namespace
@@ -67,10 +89,26 @@ PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_
   // The token dim goes second when it is the closer one in memory (HND pages, or one head).
   maps.k_token_dim_first = p.num_kv_heads > 1 && int64_t(p.k_stride_token) < p.k_stride_head;
   maps.v_token_dim_first = p.num_kv_heads > 1 && int64_t(p.v_stride_token) < p.v_stride_head;
+  // Grouped maps when both tensors allow them (one box per page run instead of one per 8 rows
+  // and column block). k and v share the layout (PagedKVCache), so they agree on NHD / HND.
+  const bool nhd = !maps.k_token_dim_first;
+  if (maps.k_token_dim_first == maps.v_token_dim_first) {
+    CUtensorMap k_map, v_map;
+    if (grouped_paged_map("k_pages", dtype, p.k, p, head_dim, p.k_stride_head, p.k_stride_token, p.k_stride_page,
+                          nhd, maps.kv_box_rows, &k_map) &&
+        grouped_paged_map("v_pages", dtype, p.v, p, head_dim, p.v_stride_head, p.v_stride_token, p.v_stride_page,
+                          nhd, maps.kv_box_rows, &v_map)) {
+      maps.k = k_map;
+      maps.v = v_map;
+      maps.grouped = true;
+      maps.head_in_blocks = nhd;
+      return maps;
+    }
+  }
   maps.k = paged_map("k_pages", dtype, p.k, p, head_dim, p.k_stride_head, p.k_stride_token, p.k_stride_page,
-                     maps.k_token_dim_first, maps.kv_box_rows);
+                     maps.k_token_dim_first, 8);
   maps.v = paged_map("v_pages", dtype, p.v, p, head_dim, p.v_stride_head, p.v_stride_token, p.v_stride_page,
-                     maps.v_token_dim_first, maps.kv_box_rows);
+                     maps.v_token_dim_first, 8);
   return maps;
 }
 

@@ -22,16 +22,22 @@ RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int hea
 
 struct PagedTensorMaps {
   CUtensorMap q, k, v;
-  int kv_box_rows = 0;           // rows per K / V box: gcd(page_size, kv_tile_rows)
+  int kv_box_rows = 0;           // rows per K / V copy run: gcd(page_size, kv_tile_rows)
+  // Grouped maps (both k and v): one box copies box_rows rows of every column block into a
+  // Sw128GroupedTile. 5-D, innermost first: 64 columns, 8 tokens, column blocks, 8-token groups,
+  // pages; NHD folds the head into the column blocks (its head_dim x heads row is contiguous:
+  // head stride == head_dim), HND into the token groups (its page_size x heads rows are: head
+  // stride == page_size x token stride). Otherwise (padded heads) the 4-D maps below.
+  bool grouped = false;
+  bool head_in_blocks = false;     // grouped NHD (else grouped HND)
+  // Else 4-D maps over the pages, innermost first: head_dim, then the page's head and token dims
+  // ordered by stride (NHD: head, token; HND: token, head), then pages; 64 x 8-row boxes.
   bool k_token_dim_first = false;  // k's second dim is the token dim (else the head dim)
   bool v_token_dim_first = false;
 };
 
-// q as ragged_tensor_maps; k and v as 4-D maps over the pages, innermost first: head_dim, then
-// the page's head and token dims ordered by stride (NHD: head, token; HND: token, head), then
-// pages; boxes of 64 x box_rows rows of one head in one page. Requires page_size % 8 == 0 (the
-// dispatcher's rule for this family) and throws tessera::Error otherwise or if the driver
-// rejects a map.
+// q as ragged_tensor_maps; k and v as above. Requires page_size % 8 == 0 (the dispatcher's rule
+// for this family) and throws tessera::Error otherwise or if the driver rejects a map.
 PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                   int kv_tile_rows);
 
