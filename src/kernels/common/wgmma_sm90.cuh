@@ -121,10 +121,15 @@ struct Sw128GroupedTile {
     tma_load_5d(map, bar, atom(row, 0), 0, 0, c2, c3, c4);
   }
   // The same rows from a 4-D map over the pages (innermost first: head_dim, the page's token and
-  // head dims in stride order, pages) with 64 x 8-row boxes, at (column, c1, c2, page); the token
-  // coordinate is c1 or c2 as token_first says. One copy per 8-row group and column block.
+  // head dims in stride order, pages), at (column, c1, c2, page); the token coordinate is c1 or c2
+  // as token_first says. With one column block the layout is Sw128Tile's and the map's boxes are
+  // box_rows x 64: one copy; else 8 x 64 boxes, one copy per 8-row group and column block.
   __device__ void load_page_rows(const CUtensorMap* map, Mbarrier* bar, int row, int box_rows, bool token_first,
                                  int c1, int c2, int page) const {
+    if constexpr (kColBlocks == 1) {
+      tma_load_4d(map, bar, atom(row, 0), 0, c1, c2, page);
+      return;
+    }
     for (int g = 0; g < box_rows; g += 8) {
 #pragma unroll
       for (int c = 0; c < kColBlocks; ++c)

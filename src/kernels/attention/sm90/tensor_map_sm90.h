@@ -30,8 +30,9 @@ struct PagedTensorMaps {
   // stride == page_size x token stride). Otherwise (padded heads) the 4-D maps below.
   bool grouped = false;
   bool head_in_blocks = false;     // grouped NHD (else grouped HND)
-  // Else 4-D maps over the pages, innermost first: head_dim, then the page's head and token dims
-  // ordered by stride (NHD: head, token; HND: token, head), then pages; 64 x 8-row boxes.
+  // Else (and always at head_dim 64, one column block) 4-D maps over the pages, innermost first:
+  // head_dim, then the page's head and token dims ordered by stride (NHD: head, token; HND: token,
+  // head), then pages; 64 x 8-row boxes (head_dim 64: 64 x kv_box_rows).
   bool k_token_dim_first = false;  // k's second dim is the token dim (else the head dim)
   bool v_token_dim_first = false;
 };
