@@ -17,6 +17,8 @@ try:
     import torch as _torch
 except ImportError:
     _torch = None
+# torch.compiler.is_compiling (torch >= 2.3), read once: the wrappers ask it while Dynamo traces them.
+_is_compiling = getattr(getattr(_torch, "compiler", None), "is_compiling", None)
 
 Error = _ext.Error
 
@@ -98,6 +100,12 @@ def stream_scope(like_name: str, like_index: int) -> Callable:
             if stream is not None and _torch is not None:
                 like = args[like_index] if len(args) > like_index else kwargs.get(like_name)
                 if isinstance(like, _torch.Tensor) and like.is_cuda:
+                    # Under torch.compile a torch stream goes to torch.cuda.stream() as it is: Dynamo
+                    # traces that context (measured on the H200, torch 2.11), but not the probing
+                    # of the object in torch_stream ("Unsupported hasattr call").
+                    if _is_compiling is not None and _is_compiling() and not isinstance(stream, int):
+                        with _torch.cuda.stream(stream):
+                            return fn(*args, **kwargs)
                     with _torch.cuda.stream(torch_stream(stream, like)):
                         return fn(*args, **kwargs)
             return fn(*args, stream=stream, **kwargs)

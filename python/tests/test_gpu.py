@@ -353,6 +353,24 @@ def test_torch_compile_fullgraph_no_graph_break():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
+def test_stream_argument_under_torch_compile():
+    # Written after measuring that `with torch.cuda.stream(s)` traces under fullgraph and that
+    # stream=s did not (Dynamo: "Unsupported hasattr call"); the wrapper's fix is not yet run here.
+    q, k, v = rand((64, 8, 128), seed=80), rand((64, 2, 128), seed=81), rand((64, 2, 128), seed=82)
+    qo = torch.tensor([0, 30, 64], dtype=torch.int32)
+    want = tessera.batch_prefill(q, k, v, qo, qo, causal=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+
+    def block(q, k, v, qo):
+        return tessera.batch_prefill(q, k, v, qo, qo, causal=True, stream=side)
+
+    got = torch.compile(block, fullgraph=True)(q, k, v, qo)
+    side.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def test_torch_library_opcheck():
     q, k, v = rand((16, 4, 128), seed=70), rand((16, 4, 128), seed=71), rand((16, 4, 128), seed=72)
     qo = torch.tensor([0, 16], dtype=torch.int32)
