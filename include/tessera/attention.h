@@ -106,7 +106,10 @@ struct PagedPrefillConfig {
 struct PagedPrefillPlanInfo {
   int kv_splits = 1;        // runs per query tile (1: no split, no partials, no merge)
   int64_t query_tiles = 0;  // (request, head, 128-row tile) CTAs of the portable unsplit grid with rows
-  AttentionPath path = AttentionPath::kAuto;  // the family run() takes (kAuto: batch_prefill_paged's choice)
+  // The family the plan was made for: kPortable, kHopper (an automatic config's run() still lets
+  // the dispatcher confirm it for its dtype, and takes the portable family where Hopper was not
+  // built for that dtype), or the config's path when unsplit (kAuto: batch_prefill_paged's choice).
+  AttentionPath path = AttentionPath::kAuto;
   double estimated_us = 0.0;  // the Hopper cost model's step time for kv_splits (0: no estimate made)
 };
 

@@ -64,15 +64,18 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device));
   TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device));
-  // Whether the Hopper family would run the unsplit step (judged for bf16; the dtype is run()'s,
-  // and either family gives the same results, so this only steers the split).
+  // Whether the Hopper family would run the step (judged for bf16, or fp16 in a build without
+  // bf16; the dtype is run()'s, and either family gives the same results, so this only steers
+  // the split).
   dispatch::PrefillProblem problem;
   problem.paged = true;
   problem.page_size = config.page_size;
   problem.shared_memory_per_block = dispatch::shared_memory_per_block();
   hopper_reads_pages_ =
       config.path != AttentionPath::kPortable &&
-      dispatch::choose_prefill(AttentionPath::kHopper, cc_major, cc_minor, DType::kBF16, config.head_dim, problem).ok;
+      dispatch::choose_prefill(AttentionPath::kHopper, cc_major, cc_minor,
+                               dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16,
+                               config.head_dim, problem).ok;
 }
 
 void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& table) {
@@ -87,9 +90,10 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // The grid's query tiles (with rows; portable and Hopper tile heights) and the longest key range
   // a tile can see.
   const int64_t hopper_rows = kernels::sm90::prefill_sm90_block_m(config_.head_dim);
-  int64_t tiles = 0, hopper_tiles = 0, longest = 0;
+  int64_t tiles = 0, hopper_tiles = 0, longest = 0, max_qo = 0;
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t qo = host_qo_indptr[r + 1] - host_qo_indptr[r];
+    max_qo = std::max(max_qo, qo);
     tiles += (qo + kRowsPerCta - 1) / kRowsPerCta;
     hopper_tiles += (qo + hopper_rows - 1) / hopper_rows;
     const int64_t pages = table.host_indptr[r + 1] - table.host_indptr[r];
@@ -101,6 +105,16 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   info_.estimated_us = 0.0;
   planned_ = true;
   planned_rows_ = host_qo_indptr[batch];
+  // Either family's grid counts every (request, head, query tile of the longest request) times the
+  // splits in 31 bits: a split count (forced, or from a batch of many empty requests) that would
+  // not fit is cut down.
+  const int64_t grid_tiles =
+      batch * config_.num_qo_heads * ((max_qo + std::min<int64_t>(hopper_rows, kRowsPerCta) - 1) /
+                                      std::min<int64_t>(hopper_rows, kRowsPerCta));
+  const int64_t fits = std::max<int64_t>(1, ((int64_t(1) << 31) - 1) / std::max<int64_t>(1, grid_tiles));
+  auto capped = [&](int64_t splits) {
+    return static_cast<int>(std::max<int64_t>(1, std::min({splits, int64_t(config_.max_kv_splits), fits})));
+  };
   const int forced = dispatch::forced_prefill_kv_splits();
   if (config_.path == AttentionPath::kHopper || hopper_reads_pages_) {
     // The Hopper family splits by its cost model (plan/prefill_split.h). A grid of two tiles per
@@ -109,7 +123,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     info_.path = AttentionPath::kHopper;
     info_.kv_splits = 1;
     if (forced > 0) {
-      info_.kv_splits = std::min(forced, config_.max_kv_splits);
+      info_.kv_splits = capped(forced);
     } else if (hopper_tiles < 2 * int64_t(num_sms_) && config_.max_kv_splits > 1) {
       const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
       plan::PrefillSplitProblem problem;
@@ -128,7 +142,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
       problem.max_splits = config_.max_kv_splits;
       const plan::PrefillSplitChoice choice =
           plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m, config_.page_size));
-      info_.kv_splits = choice.splits;
+      info_.kv_splits = capped(choice.splits);
       info_.estimated_us = choice.estimated_us;
     }
     if (config_.path != AttentionPath::kHopper && info_.kv_splits == 1) info_.path = config_.path;
@@ -138,8 +152,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // kMinKeysPerRun keys.
   const int64_t keys = longest * config_.page_size;
   const int64_t wanted = tiles > 0 ? (kTargetCtasPerSm * num_sms_ + tiles - 1) / tiles : 1;
-  info_.kv_splits = static_cast<int>(std::max<int64_t>(1, std::min({wanted, keys / kMinKeysPerRun, int64_t(config_.max_kv_splits)})));
-  if (forced > 0) info_.kv_splits = std::min(forced, config_.max_kv_splits);
+  info_.kv_splits = capped(forced > 0 ? forced : std::min(wanted, keys / kMinKeysPerRun));
   info_.path = info_.kv_splits > 1 ? AttentionPath::kPortable : config_.path;
 }
 

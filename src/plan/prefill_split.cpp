@@ -52,7 +52,9 @@ PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const Pre
       // run() rejects a table whose lengths the kernels cannot take; here they only steer the split.
       const int64_t keys = pages <= 0 ? 0 : (pages - 1) * pr.page_size + pr.last_page_len[r];
       const int kv = static_cast<int>(std::clamp<int64_t>(keys, 0, int64_t(1) << 30));
-      const kernels::MaskBand band{qo, kv, kv - qo, pr.causal, pr.window_left};
+      // A window of kv keys or more excludes nothing (and its band arithmetic could overflow int):
+      // none, as the entry points pass it to the kernels.
+      const kernels::MaskBand band{qo, kv, kv - qo, pr.causal, pr.window_left >= kv ? -1 : pr.window_left};
       for (int m0 = 0; m0 < qo; m0 += pr.block_m) {
         const int64_t tiles = kv_tiles_of(band, m0, pr.block_m, pr.block_n);
         const int64_t run = (tiles + splits - 1) / splits;

@@ -2,6 +2,8 @@
 // exists for (a short chunk over a long history) and the ones it must leave alone.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -66,9 +68,7 @@ TEST(PrefillSplit, TwoChunksSplitInTwo) {
 TEST(PrefillSplit, FullWaveIsNotSplit) {
   Batch b;
   b.add(512, 32768);
-  const PrefillSplitChoice c = choose(b, 32);
-  EXPECT_EQ(c.splits, 1);
-  EXPECT_DOUBLE_EQ(c.estimated_us, c.unsplit_us);
+  EXPECT_EQ(choose(b, 32).splits, 1);
 }
 
 // Short histories: a run's start-up and the merge outweigh the gain of more busy SMs.
@@ -90,22 +90,36 @@ TEST(PrefillSplit, WindowLimitsTheKeysThatCount) {
   EXPECT_EQ(full.splits, 4);
   EXPECT_LT(windowed.unsplit_us, full.unsplit_us / 20);
   EXPECT_LT(windowed.splits, full.splits);
+  // A window longer than every request is none (its band arithmetic would overflow int).
+  Batch many_rows;
+  many_rows.add(1000, 32);
+  EXPECT_EQ(choose(many_rows, 8, false, 16, INT32_MAX).unsplit_us, choose(many_rows, 8, false, 16, -1).unsplit_us);
 }
 
-// The cap holds, and the choice never estimates worse than no split, on random batches.
-TEST(PrefillSplit, CapAndNeverWorseThanUnsplit) {
+// On random batches the cap holds, and the unsplit estimate is at least what the model's own
+// rates say the work needs: every query tile's KV tiles spread over the slots, and the longest
+// query tile alone (non-causal: a query tile sees all of its request's keys).
+TEST(PrefillSplit, CapHoldsAndEstimatesCoverTheWork) {
+  const PrefillSplitCost cost = hopper_prefill_split_cost(128, 128, 16);
   std::mt19937 rng(5);
   for (int t = 0; t < 500; ++t) {
     Batch b;
     const int n = 1 + int(rng() % 6);
+    double kv_tiles = 0, longest = 0;
     for (int r = 0; r < n; ++r) {
       const int32_t kv = int32_t(rng() % 70000);
-      b.add(kv == 0 ? 0 : 1 + int32_t(rng() % std::min<int32_t>(kv, 700)), kv);
+      const int32_t qo = kv == 0 ? 0 : 1 + int32_t(rng() % std::min<int32_t>(kv, 700));
+      b.add(qo, kv);
+      const double tiles = (kv + 127) / 128;
+      kv_tiles += ((qo + 127) / 128) * tiles;
+      if (qo > 0) longest = std::max(longest, cost.tile_start_us + tiles * cost.kv_tile_us);
     }
-    const int cap = 1 + int(rng() % 32);
-    const PrefillSplitChoice c = choose(b, 1 + int(rng() % 40), rng() % 2 == 0, cap);
+    const int cap = 1 + int(rng() % 32), heads = 1 + int(rng() % 40);
+    const PrefillSplitChoice c = choose(b, heads, /*causal=*/false, cap);
     EXPECT_GE(c.splits, 1);
     EXPECT_LE(c.splits, cap);
+    EXPECT_GE(c.unsplit_us * (1 + 1e-9), kv_tiles * heads * cost.kv_tile_us / 132.0);
+    EXPECT_GE(c.unsplit_us * (1 + 1e-9), longest);
     EXPECT_LE(c.estimated_us, c.unsplit_us);
   }
 }

@@ -601,56 +601,68 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
 
 // Every split count on both families, forced (dispatch::force_prefill_kv_splits): 1, a few, and
 // more runs than a query tile has KV tiles (empty runs write the empty state, which the merge
-// must ignore); a mixed batch with a request without keys and one without queries.
+// must ignore); a mixed batch with a request without keys and one without queries; the compiled
+// head dims (hd256's 80-key tiles, hd64's 192-row ones) over NHD and HND pages of 8 to 64 tokens.
 TEST(GpuPrefillPagedSplit, ForcedSplitCountsOnBothFamilies) {
   TESSERA_REQUIRE_GPU();
-  PagedCase c;
-  pick_compiled(c.kv.head_dim, c.kv.dtype);
-  c.kv.page_size = 16;
-  c.kv.num_kv_heads = 2;
-  c.num_qo_heads = 8;
-  c.qo_len = {300, 1, 0, 64, 2};
-  c.kv_len = {3000, 2100, 700, 0, 130};
-  PagedProblem p(c, 77);
-  const Expected want_causal = p.expected();
-  p.c.causal = false;
-  const Expected want_full = p.expected();
+  struct Geometry {
+    int head_dim;  // 0: the default compiled one
+    KVLayout layout;
+    int page_size;
+  };
   struct ForcedSplits {
     ~ForcedSplits() { dispatch::force_prefill_kv_splits(0); }
   } lift;
-  for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
-    if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty()) continue;
-    for (bool causal : {true, false}) {
-      for (int splits : {1, 2, 5, 40}) {
-        SCOPED_TRACE(std::string(attention_path_name(path)) + (causal ? " causal" : " non-causal") + " splits " +
-                     std::to_string(splits));
-        PagedProblem q(c, 77);
-        q.c.causal = causal;
-        PagedPrefillConfig cfg;
-        cfg.num_qo_heads = c.num_qo_heads;
-        cfg.head_dim = c.kv.head_dim;
-        cfg.page_size = c.kv.page_size;
-        cfg.max_q_rows = static_cast<int>(q.q.rows);
-        cfg.max_kv_splits = 64;
-        cfg.path = path;
-        DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
-        BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
-        dispatch::force_prefill_kv_splits(splits);
-        PagedPrefillArgs a = q.args();
-        a.causal = causal;
-        prefill.plan(a.host_qo_indptr, a.table);
-        EXPECT_EQ(prefill.last_plan().kv_splits, splits);
-        q.poison();
-        prefill.run(a, nullptr);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        check_against(fetch(q.o, q.lse, q.out_shape()), causal ? want_causal : want_full, "forced split");
+  for (const Geometry& geo : {Geometry{0, KVLayout::kNHD, 16}, Geometry{256, KVLayout::kHND, 16},
+                              Geometry{64, KVLayout::kNHD, 64}, Geometry{128, KVLayout::kHND, 8}}) {
+    PagedCase c;
+    pick_compiled(c.kv.head_dim, c.kv.dtype);
+    if (geo.head_dim != 0) {
+      if (!prefill_compiled(geo.head_dim, c.kv.dtype)) continue;
+      c.kv.head_dim = geo.head_dim;
+    }
+    c.kv.layout = geo.layout;
+    c.kv.page_size = geo.page_size;
+    c.kv.num_kv_heads = 2;
+    c.num_qo_heads = 8;
+    c.qo_len = {300, 1, 0, 64, 2};
+    c.kv_len = {3000, 2100, 700, 0, 130};
+    PagedProblem p(c, 77);
+    const Expected want_causal = p.expected();
+    p.c.causal = false;
+    const Expected want_full = p.expected();
+    for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
+      if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty()) continue;
+      PagedPrefillConfig cfg;
+      cfg.num_qo_heads = c.num_qo_heads;
+      cfg.head_dim = c.kv.head_dim;
+      cfg.page_size = c.kv.page_size;
+      cfg.max_q_rows = static_cast<int>(p.q.rows);
+      cfg.max_kv_splits = 64;
+      cfg.path = path;
+      DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
+      BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+      for (bool causal : {true, false}) {
+        for (int splits : {1, 2, 5, 40}) {
+          SCOPED_TRACE(describe(c) + " " + attention_path_name(path) + (causal ? " causal" : " non-causal") +
+                       " splits " + std::to_string(splits));
+          dispatch::force_prefill_kv_splits(splits);
+          PagedPrefillArgs a = p.args();
+          a.causal = causal;
+          prefill.plan(a.host_qo_indptr, a.table);
+          EXPECT_EQ(prefill.last_plan().kv_splits, splits);
+          p.poison();
+          prefill.run(a, nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          check_against(fetch(p.o, p.lse, p.out_shape()), causal ? want_causal : want_full, "forced split");
+        }
       }
     }
   }
 }
 
 // A step whose query tiles fill the GPU is not split; where the Hopper family reads the pages it
-// then runs there (plan() only: no reference needed). Forcing Hopper never splits.
+// then runs there, with the Hopper config too (plan() only: no reference needed).
 TEST(GpuPrefillPagedSplit, FullStepsAreNotSplit) {
   TESSERA_REQUIRE_GPU();
   const int batch = 16, qo = 128, pages_per_request = 4096 / 16;

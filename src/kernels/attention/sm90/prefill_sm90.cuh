@@ -12,10 +12,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/once_per_device.h"
+#include "tessera/error.h"
 #include "kernels/attention/common/logits.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
 #include "kernels/attention/sm90/prefill_consumer_sm90.cuh"
@@ -103,8 +105,10 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   PrefillSm90Params params;
   params.base = base;
   params.m_tiles = m_tiles;
-  // < 2^31: checked by the dispatcher (and kv_splits x tiles by BatchPrefillPaged's plan)
-  params.tiles = base.batch_size * base.num_qo_heads * m_tiles * std::max(1, base.kv_splits);
+  // < 2^31: the dispatcher checks the unsplit list, BatchPrefillPaged's plan caps kv_splits to fit.
+  const int64_t tiles = int64_t(base.batch_size) * base.num_qo_heads * m_tiles * std::max(1, base.kv_splits);
+  if (tiles >= (int64_t(1) << 31)) throw Error("tessera: the Hopper prefill's tile list has 2^31 or more entries");
+  params.tiles = static_cast<int>(tiles);
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
   params.run_length = std::max(1, schedule.run_length);
