@@ -43,11 +43,12 @@ PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const Pre
   PrefillSplitChoice best;
   const int64_t rows = pr.batch > 0 ? pr.qo_indptr[pr.batch] - pr.qo_indptr[0] : 0;
   const double kv_tile_us = cost.kv_tile_us * pr.block_n / 128.0;
-  bool any = false;
-  for (int splits = 1; splits <= std::max(1, pr.max_splits); ++splits) {
+  // The model's step time at `splits` (< 0: nothing to compute).
+  auto estimate = [&](int splits) {
     double longest = 0.0, total = 0.0;
     for (int64_t r = 0; r < pr.batch; ++r) {
-      const int qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
+      // Lengths past 2^30 only steer the estimate, and the band's int arithmetic stays in range.
+      const int qo = std::min(pr.qo_indptr[r + 1] - pr.qo_indptr[r], int32_t(1) << 30);
       const int64_t pages = int64_t(pr.kv_indptr[r + 1]) - pr.kv_indptr[r];
       // run() rejects a table whose lengths the kernels cannot take; here they only steer the split.
       const int64_t keys = pages <= 0 ? 0 : (pages - 1) * pr.page_size + pr.last_page_len[r];
@@ -62,22 +63,31 @@ PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const Pre
         total += splits * cost.tile_start_us + tiles * kv_tile_us;
       }
     }
+    if (longest == 0.0) return -1.0;
     total *= pr.num_qo_heads;
-    if (longest == 0.0) break;  // nothing to compute
-    any = true;
     const double waves = std::ceil(total / (double(pr.slots) * longest));
     double us = waves * longest;
     if (splits > 1) {
       const double bytes = double(rows) * pr.num_qo_heads * splits * (pr.head_dim + 1) * 4.0 * 2.0;
       us += cost.merge_launch_us + bytes / (cost.partial_gb_per_s * 1e3);
     }
-    if (splits == 1) best.unsplit_us = us;
-    if (splits == 1 || us < best.estimated_us) {
+    return us;
+  };
+  best.unsplit_us = best.estimated_us = std::max(0.0, estimate(1));
+  if (best.unsplit_us == 0.0) return best;  // nothing to compute
+  // Every count up to 16, then a ladder (each estimate walks every query tile).
+  constexpr int kLadder[] = {20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256};
+  auto consider = [&](int splits) {
+    const double us = estimate(splits);
+    if (us < best.estimated_us) {
       best.splits = splits;
       best.estimated_us = us;
     }
+  };
+  for (int splits = 2; splits <= std::min(16, pr.max_splits); ++splits) consider(splits);
+  for (int splits : kLadder) {
+    if (splits <= pr.max_splits) consider(splits);
   }
-  if (!any) best.splits = 1;
   return best;
 }
 

@@ -8,7 +8,9 @@
 // and read back by merge_states) at the memory bandwidth plus the merge's launch. The step's time
 // is the wave-quantised makespan of equal work tiles (the persistent CTAs take them in list
 // order), max(longest, ceil(total / (slots x longest)) x longest), plus that merge. The split
-// count minimising it wins (ties: the smaller). Constants: measured on the H200 (notes/prefill_paged.md).
+// count minimising it wins (ties: the smaller) among 1..16 and, where max_splits allows, a ladder
+// of larger counts (20, 24, 32, ... 256: each estimate walks every query tile). Constants:
+// measured on the H200 (notes/prefill_paged.md).
 #pragma once
 
 #include <cstdint>
