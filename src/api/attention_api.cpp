@@ -245,11 +245,12 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
   const int max_qo = max_qo_len(a.qo_indptr, a.host_qo_indptr);
   path = choose_path(check.entry_point(), a.path, a.q.dtype, head_dim, paged_problem(a, max_qo));
 
+  // The host page table as the checks read it (validate_paged): each request's keys.
+  const format::BsrLayout kv = format::bsr_from_page_table(
+      static_cast<int32_t>(c.page_size()), static_cast<int32_t>(a.qo_indptr.size(0) - 1), a.table.host_indptr,
+      a.table.host_indices, a.table.host_last_page_len);
   int64_t max_kv = 0;
-  for (int64_t i = 0; i + 1 < a.qo_indptr.size(0); ++i) {
-    const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
-    max_kv = std::max(max_kv, pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i]);
-  }
+  for (int32_t i = 0; i < kv.num_rows; ++i) max_kv = std::max(max_kv, kv.row_tokens(i));
   kernels::PrefillParams p =
       query_side_params(check, a.q, a.o, a.lse, a.qo_indptr, max_qo, static_cast<int>(c.num_kv_heads()),
                         max_kv, a.causal, a.window_left, a.scale, a.soft_cap);
@@ -272,10 +273,8 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
   p.q_rows = a.q.size(0);
   p.num_pages = c.num_pages();
-  p.uniform_lengths = lengths_uniform(a.host_qo_indptr, p.batch_size, [&](int64_t i) {
-    const int64_t pages = a.table.host_indptr[i + 1] - a.table.host_indptr[i];
-    return pages == 0 ? 0 : (pages - 1) * c.page_size() + a.table.host_last_page_len[i];
-  });
+  p.uniform_lengths =
+      lengths_uniform(a.host_qo_indptr, p.batch_size, [&](int64_t i) { return kv.row_tokens(static_cast<int32_t>(i)); });
   return p;
 }
 

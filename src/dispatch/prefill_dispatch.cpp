@@ -261,9 +261,6 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 namespace {
 std::atomic<bool> g_schedule_forced{false};
 kernels::sm90::PrefillSm90Schedule g_forced_schedule;
-}  // namespace
-
-namespace {
 std::atomic<int> g_forced_kv_splits{0};
 }  // namespace
 
@@ -293,7 +290,8 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::P
   // - causal batches whose lengths differ (chunked prefill beside decode-like requests) or whose
   //   pairs would leave SMs idle (fewer than two tiles per SM: the pairs halve the grid): one tile
   //   per CTA, heaviest first, the hardware filling SMs as they free up.
-  const int m_tiles = (p.max_qo_len + prefill_sm90_block_m(head_dim) - 1) / prefill_sm90_block_m(head_dim);
+  const int block_m = prefill_sm90_block_m(head_dim);
+  const int m_tiles = (p.max_qo_len + block_m - 1) / block_m;
   const int64_t tiles = int64_t(p.batch_size) * p.num_qo_heads * m_tiles;
   PrefillSm90Schedule s;
   if (p.kv_splits > 1) {
