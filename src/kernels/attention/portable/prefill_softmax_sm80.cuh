@@ -9,7 +9,7 @@
 
 #include <cmath>
 
-#include "kernels/attention/common/mask.cuh"
+#include "kernels/attention/common/mask_tile.cuh"
 #include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/portable/prefill_config_sm80.cuh"
 #include "kernels/attention/portable/prefill_warp_sm80.cuh"
@@ -23,17 +23,8 @@ template <typename Config>
 __device__ __forceinline__ void prefill_mask(AccTile<Config::kSKeys> (&s)[Config::kMTiles], const MaskBand& band,
                                              const PrefillWarp<Config>& w, int n0, int m0) {
 #pragma unroll
-  for (int mt = 0; mt < Config::kMTiles; ++mt) {
-#pragma unroll
-    for (int j = 0; j < Config::kSNTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + w.half * Config::kSKeys + j * 8 + 2 * w.t + (e & 1);
-        const int row = m0 + w.tile_row(mt) + w.g + (e < 2 ? 0 : 8);
-        if (!band.visible(row, key)) s[mt].v[j][e] = -INFINITY;
-      }
-    }
-  }
+  for (int mt = 0; mt < Config::kMTiles; ++mt)
+    mask_outside_band(s[mt], band, m0 + w.tile_row(mt), n0 + w.half * Config::kSKeys, w.lane);
 }
 
 template <typename Config>

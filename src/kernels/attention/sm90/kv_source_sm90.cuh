@@ -27,15 +27,33 @@
 
 namespace tessera::kernels::sm90 {
 
-// A KV source is used in two steps per tile, so the paged page-id loads of the next tile can be in
+// A KV source reads a request's extent from its RequestEntries and is used in two steps per tile, so the paged page-id loads of the next tile can be in
 // flight while the producer waits for ring slots (each lookup is a dependent global load):
 //   Where where = KV::locate(p, kv_start, kv_len, n0, lane);   // what to copy (lane's share)
 //   KV::load(p, map, token_first, tile, full, kv_head, where, lane);  // K, then V, same `where`
+// A request's entries of the index arrays, as loaded (not yet warp-uniform): qo_indptr[r],
+// qo_indptr[r + 1], kv_indptr[r], kv_indptr[r + 1] and, paged, kv_last_page_len[r]. Loaded apart
+// from their use so the consumers can have the next work tile's in flight while they compute the
+// current one (prefill_sm90.cuh).
+struct RequestEntries {
+  int q_begin, q_end, kv_begin, kv_end, last_page_len;
+};
+template <bool kPaged>
+__device__ __forceinline__ RequestEntries load_request_entries(const PrefillSm90Params& p, int request) {
+  RequestEntries e;
+  e.q_begin = p.base.qo_indptr[request];
+  e.q_end = p.base.qo_indptr[request + 1];
+  e.kv_begin = p.base.kv_indptr[request];
+  e.kv_end = p.base.kv_indptr[request + 1];
+  e.last_page_len = kPaged ? p.base.kv_last_page_len[request] : 0;
+  return e;
+}
+
 struct RaggedKVSm90 {
   static constexpr bool kPaged = false;
-  __device__ static void extent(const PrefillSm90Params& p, int request, int& kv_start, int& kv_len) {
-    kv_start = warp_uniform(p.base.kv_indptr[request]);
-    kv_len = warp_uniform(p.base.kv_indptr[request + 1]) - kv_start;
+  __device__ static void extent(const RequestEntries& e, int /*page_size*/, int& kv_start, int& kv_len) {
+    kv_start = warp_uniform(e.kv_begin);
+    kv_len = warp_uniform(e.kv_end) - kv_start;
   }
   struct Where {
     int row;  // the tile's first row in the ragged tensor
@@ -56,10 +74,10 @@ struct RaggedKVSm90 {
 
 struct PagedKVSm90 {
   static constexpr bool kPaged = true;
-  __device__ static void extent(const PrefillSm90Params& p, int request, int& kv_start, int& kv_len) {
-    kv_start = warp_uniform(p.base.kv_indptr[request]);
-    const int pages = warp_uniform(p.base.kv_indptr[request + 1]) - kv_start;
-    kv_len = pages == 0 ? 0 : (pages - 1) * p.base.page_size + warp_uniform(p.base.kv_last_page_len[request]);
+  __device__ static void extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
+    kv_start = warp_uniform(e.kv_begin);
+    const int pages = warp_uniform(e.kv_end) - kv_start;
+    kv_len = pages == 0 ? 0 : (pages - 1) * page_size + warp_uniform(e.last_page_len);
   }
   struct Where {
     int boxes;  // boxes of the tile that hold keys (the same for every lane), at most 32

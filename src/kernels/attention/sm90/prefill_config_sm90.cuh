@@ -66,8 +66,9 @@ struct PrefillSm90Config {
       (kHeadDim == 64 ? TESSERA_SM90_PINGPONG_HD64 : kHeadDim == 128 ? TESSERA_SM90_PINGPONG_HD128 : TESSERA_SM90_PINGPONG_HD256) != 0;
   // Q buffers. Two (the next work tile's Q loading during the whole current tile, not only its
   // last P V) measure even with one at hd128 (v4, same run: 8K 668 vs 667, 1K causal 329 vs 332
-  // TFLOP/s; v2's 0.89x was likely the C7520 serialisation), so one: less shared memory.
-  static constexpr int kQStages = TESSERA_SM90_Q_STAGES;
+  // TFLOP/s; v2's 0.89x was likely the C7520 serialisation; v7, with the boundary cheaper: 1K
+  // causal 438.5 vs 440.3, 8K 693.7 vs 697.2), so one: less shared memory.
+  static constexpr int kQStages = kHeadDim == 256 ? 1 : TESSERA_SM90_Q_STAGES;  // hd256: no room for two
   // O of a consumer's 64 full rows leaves through a shared-memory tile and TMA stores that run on
   // while the consumer starts its next work tile (rows past qo_len, and an o the copy engine
   // cannot describe, from registers). hd256 has no room for it (Q 64 KB + 4 x 40 KB of K / V at

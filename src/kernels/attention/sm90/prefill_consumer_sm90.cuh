@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/common/logits.cuh"
+#include "kernels/attention/common/mask_tile.cuh"
 #include "kernels/attention/common/online_softmax.cuh"
 #include "kernels/attention/common/register_tile.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
@@ -100,11 +101,7 @@ struct PrefillConsumer {
     const int warp_row0 = w.m0 + 64 * consumer + 16 * warp;
     const int first_row = w.m0 + 64 * consumer;
     const int last_row = min(first_row + 63, w.qo_len - 1);
-    if (!w.band.tile_crosses_edge(n0, kBlockN, first_row, last_row)) return;
-    const int g = lane / 4, t = lane % 4;
-    for_each(s, [&](float& x, int, int j, int e) {
-      x = w.band.visible(warp_row0 + STile::row(e, g), n0 + STile::col(j, e, t)) ? x : -INFINITY;
-    });
+    if (w.band.tile_crosses_edge(n0, kBlockN, first_row, last_row)) mask_outside_band(s, w.band, warp_row0, n0, lane);
   }
 
   // O / l and LSE for this warp's rows of the request (rows past qo_len are not written).

@@ -57,8 +57,16 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
+// The request of list position `position`.
+__device__ __forceinline__ int request_at(const PrefillSm90Params& p, int position) {
+  int request, head, m_tile;
+  decode_position(p, p.base.kv_splits > 1 ? position / p.base.kv_splits : position, request, head, m_tile);
+  return request;
+}
+
+// The tile at list position `position`; `entries` are its request's (load_request_entries).
 template <int kBlockM, int kBlockN, typename KV>
-__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position, const RequestEntries& entries) {
   WorkTile w;
   int m_tile;
   const int tile = p.base.kv_splits > 1 ? position / p.base.kv_splits : position;
@@ -66,9 +74,9 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   decode_position(p, tile, w.request, w.head, m_tile);
   w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
   w.m0 = m_tile * kBlockM;
-  w.q_start = warp_uniform(p.base.qo_indptr[w.request]);
-  w.qo_len = warp_uniform(p.base.qo_indptr[w.request + 1]) - w.q_start;
-  KV::extent(p, w.request, w.kv_start, w.kv_len);
+  w.q_start = warp_uniform(entries.q_begin);
+  w.qo_len = warp_uniform(entries.q_end) - w.q_start;
+  KV::extent(entries, p.base.page_size, w.kv_start, w.kv_len);
   w.band = MaskBand{w.qo_len, w.kv_len, w.kv_len - w.qo_len, p.base.causal, p.base.window_left};
   const int last_row = min(w.m0 + kBlockM, w.qo_len) - 1;
   const int n_begin = w.band.key_begin(w.m0);
@@ -81,6 +89,11 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
     w.end_kv_tile = min(w.end_kv_tile, w.first_kv_tile + per_split);
   }
   return w;
+}
+
+template <int kBlockM, int kBlockN, typename KV>
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
+  return make_work_tile<kBlockM, kBlockN, KV>(p, position, load_request_entries<KV::kPaged>(p, request_at(p, position)));
 }
 
 struct SingleTileScheduler {
