@@ -529,6 +529,7 @@ int bench_decode(const Args& a) {
 // prefill_paged: the prefill cases with K/V in a paged cache (page_size, layout; pages of each
 // request in a shuffled order, written with append_paged_kv), timed next to the ragged kernel on
 // the same tokens in the same process: the record's notes carry both and their ratio.
+//   [path=portable|hopper] forces a family for both.
 int bench_prefill_paged(const Args& a) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
@@ -563,6 +564,10 @@ int bench_prefill_paged(const Args& a) {
   pa.o = prob.args.o;
   pa.lse = prob.args.lse;
   pa.causal = causal;
+  if (a.count("path")) {  // the family forced for both the paged and the ragged run
+    pa.path = arg(a, "path") == "hopper" ? AttentionPath::kHopper : AttentionPath::kPortable;
+    prob.args.path = pa.path;
+  }
   const double flops = 4.0 * batch * qh * double(seq) * seq * d * (causal ? 0.5 : 1.0);
   const double ragged_ms = median_ms([&](int) { batch_prefill(prob.args, nullptr); }, 3, 20);
   const double paged_ms = median_ms([&](int) { batch_prefill_paged(pa, nullptr); }, 3, 20);

@@ -53,8 +53,8 @@ AttentionPath choose_prefill_path(const PrefillArgs& args);
 // [qo_indptr[i], qo_indptr[i+1]) are the last qo_len positions of its sequence) against the
 // request's pages (cache layout NHD or HND, strided pages allowed, same dtype as q). The same
 // kernels as batch_prefill with a paged K / V loader; masks, variants and outputs as PrefillArgs.
-// On sm_90 the Hopper family reads pages of a multiple of 8 tokens (TMA boxes); other page sizes
-// run on the portable family (kAuto), or are an error when kHopper is forced.
+// On sm_90 the Hopper family reads every page size: multiples of 8 tokens by TMA boxes, the others
+// (1, 7, 100, ...) gathered by its producer warp with 16-byte copies.
 // The page table's host copies are required: the launch is sized from them and every page id is
 // checked against the cache (O(pages) on the host).
 struct PagedPrefillArgs {

@@ -231,11 +231,6 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
     hopper_no = "the Hopper prefill family needs " + std::to_string(kernels::sm90::prefill_sm90_smem_bytes(head_dim)) +
                 " bytes of shared memory per block at head_dim " + std::to_string(head_dim) + "; this GPU allows " +
                 std::to_string(problem.shared_memory_per_block);
-  } else if (problem.paged && problem.page_size % 8 != 0) {
-    // Its TMA boxes must start on whole 8-row swizzle atoms; a producer-warp gather for the other
-    // page sizes is not written yet.
-    hopper_no = "the Hopper prefill family reads pages of a multiple of 8 tokens; page_size is " +
-                std::to_string(problem.page_size) + " (the portable family takes any page size)";
   } else if (problem.tiles >= (int64_t(1) << 31)) {
     hopper_no = "the problem has " + std::to_string(problem.tiles) + " query tiles; the Hopper family takes < 2^31";
   }

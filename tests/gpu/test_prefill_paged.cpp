@@ -253,11 +253,11 @@ TEST(GpuPrefillPaged, PageSizesAndLayouts) {
 }
 
 // ---- 1b. The Hopper family over pages --------------------------------------------------------------
-// sm_90: every page size the Hopper family reads (multiples of 8: TMA boxes of gcd(page_size, KV
-// tile) rows, so 8-row boxes, pages of 48 and 80 with 16-row boxes, pages larger than a tile),
-// both layouts, every compiled head dim and dtype, causal and windowed, GQA, strided pages; the
-// batch of PageSizesAndLayouts (chunked prefill, empty requests, qo_len > kv_len). A page size it
-// does not read is an error naming it when the family is forced.
+// sm_90: every page size. Multiples of 8 by TMA (boxes of gcd(page_size, KV tile) rows: 8-row
+// boxes, pages of 48 and 80 with 16-row boxes, pages larger than a tile); the others (1, 3, 7, 12,
+// 100) gathered by the producer warp with cp.async (GatheredKVSm90). Both layouts, every compiled
+// head dim and dtype, causal and windowed, GQA, strided pages; the batch of PageSizesAndLayouts
+// (chunked prefill, empty requests, qo_len > kv_len).
 TEST(GpuPrefillPaged, HopperFamilyPageSizesAndLayouts) {
   TESSERA_REQUIRE_GPU();
   uint32_t seed = 50;
@@ -265,7 +265,7 @@ TEST(GpuPrefillPaged, HopperFamilyPageSizesAndLayouts) {
   for (int head_dim : {64, 128, 256}) {
     for (DType dtype : {DType::kBF16, DType::kFP16}) {
       if (!prefill_compiled(head_dim, dtype) || !hopper_unavailable(dtype, head_dim).empty()) continue;
-      for (int page_size : {8, 16, 48, 64, 80, 128, 256}) {
+      for (int page_size : {8, 16, 48, 64, 80, 128, 256, 1, 3, 7, 12, 100}) {
         const int r = rotation++;
         PagedCase c;
         c.path = AttentionPath::kHopper;
@@ -292,27 +292,6 @@ TEST(GpuPrefillPaged, HopperFamilyPageSizesAndLayouts) {
     }
   }
   if (tested == 0) GTEST_SKIP() << hopper_unavailable(DType::kBF16, 128);
-  // Pages of other sizes: the portable family under auto, an error when Hopper is forced.
-  PagedCase c;
-  pick_compiled(c.kv.head_dim, c.kv.dtype);
-  c.kv.page_size = 12;
-  c.qo_len = {5, 20};
-  c.kv_len = {20, 40};
-  run_case(c, seed++);
-  PagedProblem p(c, seed++);
-  PagedPrefillArgs a = p.args();
-  a.path = AttentionPath::kHopper;
-  p.poison();
-  try {
-    batch_prefill_paged(a, nullptr);
-    ADD_FAILURE() << "a forced Hopper run over pages of 12 tokens was accepted";
-  } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'path'"));
-    EXPECT_THAT(e.what(), HasSubstr("page_size is 12"));
-  }
-  CUDA_OK(cudaDeviceSynchronize());
-  const Outputs untouched = fetch(p.o, p.lse, p.out_shape());
-  EXPECT_TRUE(std::all_of(untouched.lse_raw.begin(), untouched.lse_raw.end(), is_poison)) << "lse written";
 }
 
 // ---- 2. Head dims, dtypes, masks and logit variants, GQA groups --------------------------------------
@@ -432,8 +411,7 @@ TEST(GpuPrefillPaged, PagedEqualsRagged) {
     c.kv_len = {577, 54, 0, 33, 16};
     SCOPED_TRACE(describe(c));
     if (!prefill_compiled(c.kv.head_dim, c.kv.dtype)) continue;
-    if (path == AttentionPath::kHopper && (s.page_size % 8 != 0 || !hopper_unavailable(c.kv.dtype, s.head_dim).empty()))
-      continue;
+    if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, s.head_dim).empty()) continue;
     PagedProblem p(c, seed++);
     const Outputs paged = p.run_and_fetch();
     check_against(paged, p.expected(), "paged");
@@ -602,7 +580,8 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
 // Every split count on both families, forced (dispatch::force_prefill_kv_splits): 1, a few, and
 // more runs than a query tile has KV tiles (empty runs write the empty state, which the merge
 // must ignore); a mixed batch with a request without keys and one without queries; the compiled
-// head dims (hd256's 80-key tiles, hd64's 192-row ones) over NHD and HND pages of 8 to 64 tokens.
+// head dims (hd256's 80-key tiles, hd64's 192-row ones) over NHD and HND pages of 1 to 64 tokens
+// (1 and 7 gathered by the Hopper producer).
 TEST(GpuPrefillPagedSplit, ForcedSplitCountsOnBothFamilies) {
   TESSERA_REQUIRE_GPU();
   struct Geometry {
@@ -614,7 +593,8 @@ TEST(GpuPrefillPagedSplit, ForcedSplitCountsOnBothFamilies) {
     ~ForcedSplits() { dispatch::force_prefill_kv_splits(0); }
   } lift;
   for (const Geometry& geo : {Geometry{0, KVLayout::kNHD, 16}, Geometry{256, KVLayout::kHND, 16},
-                              Geometry{64, KVLayout::kNHD, 64}, Geometry{128, KVLayout::kHND, 8}}) {
+                              Geometry{64, KVLayout::kNHD, 64}, Geometry{128, KVLayout::kHND, 8},
+                              Geometry{128, KVLayout::kNHD, 1}, Geometry{256, KVLayout::kHND, 7}}) {  // gathered
     PagedCase c;
     pick_compiled(c.kv.head_dim, c.kv.dtype);
     if (geo.head_dim != 0) {

@@ -50,6 +50,11 @@ struct Mbarrier {
         "r"(int(pred))
         : "memory");
   }
+  // One arrival once every cp.async this thread issued before has landed, not counted ahead
+  // (.noinc: the barrier's arrival count includes it).
+  __device__ void arrive_after_copies() {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(&word)) : "memory");
+  }
   // One arrival that also announces `bytes` of copies that will complete on this barrier.
   __device__ void arrive_expect_tx(uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&word)), "r"(bytes)

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/sm90/prefill_sm90_params.h"
+#include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/tma_sm90.cuh"
 #include "kernels/common/device_check.cuh"
 #include "kernels/common/warp_uniform.cuh"
@@ -49,6 +50,8 @@ __device__ __forceinline__ RequestEntries load_request_entries(const PrefillSm90
   return e;
 }
 
+enum class KVOperand { kKeys, kValues };
+
 struct RaggedKVSm90 {
   static constexpr bool kPaged = false;
   __device__ static void extent(const RequestEntries& e, int /*page_size*/, int& kv_start, int& kv_len) {
@@ -61,10 +64,16 @@ struct RaggedKVSm90 {
   __device__ static Where locate(const PrefillSm90Params& /*p*/, int kv_start, int /*kv_len*/, int n0, int /*lane*/) {
     return Where{kv_start + n0};
   }
-  // The tile's keys of kv_head into `tile`, completing on `full`.
-  template <typename Tile>
-  __device__ static void load(const PrefillSm90Params& /*p*/, const CUtensorMap* map, bool /*token_first*/,
-                              const Tile& tile, Mbarrier& full, int kv_head, const Where& where, int lane) {
+  static constexpr bool kGroupedTiles = false;  // the smem tile type (PrefillSm90Smem)
+  static constexpr int kProducerWarps = 1;       // warps of the producer warpgroup that load
+  static constexpr int kFullArrivals = 1;        // per fill of a K / V stage (its expect_tx)
+  static constexpr bool kZeroesPastEnd = false;  // rows past kv_len come zeroed (else the producer zeroes V's)
+  static constexpr bool kGenericWrites = false;  // fills through the generic proxy (not TMA)
+  // The tile's keys (or values) of kv_head into `tile`, completing on `full`.
+  template <KVOperand kOperand, typename Tile>
+  __device__ static void load(const PrefillSm90Params& p, const Tile& tile, Mbarrier& full, int kv_head,
+                              const Where& where, int lane) {
+    const CUtensorMap* map = kOperand == KVOperand::kKeys ? &p.k_map : &p.v_map;
     if (lane == 0) {
       full.arrive_expect_tx(Tile::kBytes);
       tile.load(map, &full, kv_head, where.row);
@@ -72,12 +81,17 @@ struct RaggedKVSm90 {
   }
 };
 
+// A paged request's first kv_indices entry and its keys.
+__device__ __forceinline__ void paged_extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
+  kv_start = warp_uniform(e.kv_begin);
+  const int pages = warp_uniform(e.kv_end) - kv_start;
+  kv_len = pages == 0 ? 0 : (pages - 1) * page_size + warp_uniform(e.last_page_len);
+}
+
 struct PagedKVSm90 {
   static constexpr bool kPaged = true;
   __device__ static void extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
-    kv_start = warp_uniform(e.kv_begin);
-    const int pages = warp_uniform(e.kv_end) - kv_start;
-    kv_len = pages == 0 ? 0 : (pages - 1) * page_size + warp_uniform(e.last_page_len);
+    paged_extent(e, page_size, kv_start, kv_len);
   }
   struct Where {
     int boxes;  // boxes of the tile that hold keys (the same for every lane), at most 32
@@ -101,10 +115,17 @@ struct PagedKVSm90 {
     }
     return where;
   }
+  static constexpr bool kGroupedTiles = true;
+  static constexpr int kProducerWarps = 1;
+  static constexpr int kFullArrivals = 1;
+  static constexpr bool kZeroesPastEnd = false;
+  static constexpr bool kGenericWrites = false;
   // token_first: the 4-D map's second dim is the token dim (PrefillSm90Params::k/v_token_dim_first).
-  template <typename Tile>
-  __device__ static void load(const PrefillSm90Params& p, const CUtensorMap* map, bool token_first, const Tile& tile,
-                              Mbarrier& full, int kv_head, const Where& where, int lane) {
+  template <KVOperand kOperand, typename Tile>
+  __device__ static void load(const PrefillSm90Params& p, const Tile& tile, Mbarrier& full, int kv_head,
+                              const Where& where, int lane) {
+    const CUtensorMap* map = kOperand == KVOperand::kKeys ? &p.k_map : &p.v_map;
+    const bool token_first = kOperand == KVOperand::kKeys ? p.k_token_dim_first : p.v_token_dim_first;
     // The expected bytes are announced before any copy can complete on the barrier.
     if (lane == 0) full.arrive_expect_tx(uint32_t(where.boxes) * p.kv_box_rows * 128 * Tile::kColBlocks);
     __syncwarp();
@@ -123,4 +144,80 @@ struct PagedKVSm90 {
   }
 };
 
+// Pages of any size (1, 7, 54, ...: TMA boxes must start on whole 8-row swizzle atoms, so those
+// are not TMA'd): the producer warpgroup's four warps gather the tile with 16-byte cp.async
+// copies into Sw128Tile's layout, warp w rows [32 w, 32 w + 32), a half warp per 256-byte row at
+// head_dim 128 (global reads coalesced per row). Thread j of warp w looks up row 32 w + j's page
+// one tile ahead (Where) and computes its offset; each copy takes its row's offset from the lane
+// holding it (a shuffle). Rows past kv_len are zero-filled by the copies themselves (cp.async
+// with no source bytes), so no V row needs zeroing. The copies complete on the stage's barrier
+// through one cp.async.mbarrier.arrive.noinc per thread; they write through the generic proxy,
+// so the consumers fence (fence.proxy.async) before their wgmma reads.
+// One warp alone issued the copies at 82 TFLOP/s (hd128 page 1, 8K; the ragged kernel 683): the
+// copy loop, ~25 instructions a copy in one warp, was the step's critical path.
+template <int kBlockN, int kHeadDim>
+struct GatheredKVSm90 {
+  static constexpr bool kPaged = true;
+  static constexpr bool kGroupedTiles = false;
+  static constexpr int kProducerWarps = 4;
+  static constexpr int kFullArrivals = 32 * kProducerWarps;  // every producer thread's noinc arrival
+  static constexpr bool kZeroesPastEnd = true;
+  static constexpr bool kGenericWrites = true;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static_assert(32 % kChunks == 0, "a warp copy covers whole rows (head_dim <= 256)");
+  static_assert(kBlockN <= 32 * kProducerWarps, "a producer thread per row");
+  __device__ static void extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
+    paged_extent(e, page_size, kv_start, kv_len);
+  }
+  struct Where {
+    int keys;         // the tile's keys inside the request (<= kBlockN), the same for every thread
+    int page, token;  // row `thread`'s page id and token in it (page -1: past the request's keys)
+  };
+  __device__ static Where locate(const PrefillSm90Params& p, int kv_start, int kv_len, int n0, int thread) {
+    Where where;
+    where.keys = min(kv_len - n0, kBlockN);
+    where.page = -1;
+    where.token = 0;
+    if (thread < where.keys) {
+      const unsigned key = unsigned(n0 + thread);
+      const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
+      where.page = p.base.kv_indices[kv_start + int(page_of_key)];
+      TESSERA_DEVICE_CHECK_QUIET(where.page >= 0 && where.page < p.base.num_pages,
+                                 "a kv_indices page id outside the page tensors");
+      where.token = int(key - page_of_key * unsigned(p.base.page_size));
+    }
+    return where;
+  }
+  template <KVOperand kOperand, typename Tile>
+  __device__ static void load(const PrefillSm90Params& p, const Tile& tile, Mbarrier& full, int kv_head,
+                              const Where& where, int thread) {
+    static_assert(Tile::kRows == kBlockN && Tile::kCols == kHeadDim, "the gathered tile");
+    constexpr bool kKeys = kOperand == KVOperand::kKeys;
+    const unsigned char* base = static_cast<const unsigned char*>(kKeys ? p.base.k : p.base.v);
+    const int64_t stride_page = kKeys ? p.base.k_stride_page : p.base.v_stride_page;
+    const int64_t stride_token = kKeys ? p.base.k_stride_token : p.base.v_stride_token;
+    const int64_t stride_head = kKeys ? p.base.k_stride_head : p.base.v_stride_head;
+    base += kv_head * stride_head * 2;
+    // This thread's row's element offset, for the copies of that row to read by shuffle.
+    const long long row_offset = where.page >= 0 ? where.page * stride_page + where.token * stride_token : 0;
+    const int warp = thread / 32, lane = thread % 32;
+    constexpr int kRowsPerCopy = 32 / kChunks;  // rows one warp copy covers
+    const int c = lane % kChunks;               // this lane's 16-byte chunk of its rows
+    // Not unrolled whole: the compiler then hoisted every copy's lane-dependent offsets out of
+    // the tile loop and spilled them (1.1 KB of stack in the producer's 24 registers; by 4:
+    // 48 bytes).
+#pragma unroll 2
+    for (int i = 0; i < 32 / kRowsPerCopy; ++i) {
+      const int r = i * kRowsPerCopy + lane / kChunks;  // row within the warp's 32
+      const int row = 32 * warp + r;
+      if (32 * warp + i * kRowsPerCopy >= kBlockN) break;  // hd256's 80-row tiles: uniform per warp
+      const long long offset = __shfl_sync(0xffffffffu, row_offset, r);
+      const bool valid = row < where.keys;
+      const unsigned char* src = valid ? base + (offset + c * 8) * 2 : base;
+      unsigned char* dst = tile.block(c / 8) + row * 128 + (((c % 8) ^ (row % 8)) * 16);
+      sm80::cp_async_16(dst, src, valid);
+    }
+    full.arrive_after_copies();
+  }
+};
 }  // namespace tessera::kernels::sm90

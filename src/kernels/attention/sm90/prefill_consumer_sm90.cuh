@@ -22,10 +22,10 @@
 
 namespace tessera::kernels::sm90 {
 
-template <typename T, typename Config, typename Logits, bool kGroupedKV>
+template <typename T, typename Config, typename Logits, typename KV>
 struct PrefillConsumer {
   static constexpr int kHeadDim = Config::kHeadDim, kBlockN = Config::kBlockN;
-  using Smem = PrefillSm90Smem<T, Config, kGroupedKV>;
+  using Smem = PrefillSm90Smem<T, Config, KV::kGroupedTiles>;
   using STile = AccTile<kBlockN>;           // this warp's 16 rows of S (and P, in fp32)
   using OTile = AccTile<kHeadDim>;          // this warp's 16 rows of O
   using PFragments = AFragments<T, kBlockN>;  // P in T, as the A operand of P V
@@ -65,6 +65,12 @@ struct PrefillConsumer {
     if (consumer == 0) take_turn();
   }
 
+  // A stage filled through the generic proxy (cp.async: GatheredKVSm90), seen through this
+  // thread's barrier wait, is ordered before the wgmma (async proxy) reads of it.
+  __device__ static void after_generic_fill() {
+    if constexpr (KV::kGenericWrites) fence_async_shared();
+  }
+
   // One arrival per warp on a barrier counting kConsumers x 4 warps.
   __device__ void release(Mbarrier& b) const { b.arrive_if(lane == 0); }
 
@@ -84,11 +90,17 @@ struct PrefillConsumer {
     for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, kHeadDim, gmma::Major::MN>(pf.a[kk], v.mn_major(kk), o);
     wgmma_commit();
   }
+  // K of `stage` has landed.
+  __device__ void wait_keys(const RingPosition<Config::kStages>& at) const {
+    smem.barriers().k_full[at.stage].wait(at.phase);
+    after_generic_fill();
+  }
   // V of `stage` has landed (and, for a partial tile, been zeroed past kv_len).
   __device__ void wait_values(const RingPosition<Config::kStages>& at, bool partial) {
     auto& bar = smem.barriers();
     bar.v_full[at.stage].wait(at.phase);
-    if (partial) {
+    after_generic_fill();
+    if (!KV::kZeroesPastEnd && partial) {
       bar.v_zeroed[at.stage].wait((zeroed_phases >> at.stage) & 1);
       zeroed_phases ^= 1u << at.stage;
     }
@@ -199,7 +211,7 @@ struct PrefillConsumer {
       PFragments pf;
       int tile = w.end_kv_tile - 1;
       // The first tile: S, softmax, P.
-      bar.k_full[ring.stage].wait(ring.phase);
+      wait_keys(ring);
       fence_registers(s);
       take_turn();
       wgmma_fence();
@@ -218,7 +230,7 @@ struct PrefillConsumer {
       // The rest: S of this tile overlapped with P V of the previous one.
       for (int i = 1; i < tiles; ++i) {
         --tile;
-        bar.k_full[ring.stage].wait(ring.phase);
+        wait_keys(ring);
         fence_registers(s);
         fence_registers(o);
         fence_registers(pf);

@@ -1,6 +1,7 @@
-// The producer warp of the Hopper prefill kernel: for each work tile, Q once, then K and V of its
-// KV tiles from the last to the first (the order the consumers take them), by TMA into the rings
-// (the KV source, kv_source_sm90.cuh, says how a tile is copied).
+// The producer of the Hopper prefill kernel: for each work tile, Q once (by TMA, warp 0), then K
+// and V of its KV tiles from the last to the first (the order the consumers take them) into the
+// rings: by TMA from warp 0, or gathered by all four warps of the producer warpgroup for pages
+// TMA cannot box (the KV source, kv_source_sm90.cuh, says how a tile is copied and by whom).
 //
 // The rows of a request's last, partial KV tile past kv_len hold other data (the next request's
 // rows, the rest of a page, or an older tile when the paged source skips a box). Their logits are
@@ -22,15 +23,18 @@ namespace tessera::kernels::sm90 {
 
 template <typename T, typename Config, typename Scheduler, typename KV>
 __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p,
-                                                      const PrefillSm90Smem<T, Config, KV::kPaged>& smem) {
-  using Smem = PrefillSm90Smem<T, Config, KV::kPaged>;
+                                                      const PrefillSm90Smem<T, Config, KV::kGroupedTiles>& smem) {
+  using Smem = PrefillSm90Smem<T, Config, KV::kGroupedTiles>;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN;
   const int lane = threadIdx.x % 32;
+  // Of the KV::kProducerWarps loading warps (Q: warp 0 only); the lane with one warp, so the TMA
+  // sources' code is as it was before the gathered source came.
+  const int thread = KV::kProducerWarps == 1 ? lane : int(threadIdx.x);
   auto& bar = smem.barriers();
   RingPosition<Config::kStages> ring;
   RingPosition<Config::kQStages> q_ring;
 
-  if (lane == 0) {
+  if (thread == 0) {
     prefetch_tensor_map(&p.q_map);
     prefetch_tensor_map(&p.k_map);
     prefetch_tensor_map(&p.v_map);
@@ -62,26 +66,28 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
                          "kv_indptr (device copy) reaches past k / v's rows");
     if (!w.has_rows() || w.kv_tiles() == 0) continue;
     // What the first KV tile's copies read (paged: page ids), looked up before the waits.
-    auto where = KV::locate(p, w.kv_start, w.kv_len, (w.end_kv_tile - 1) * kBlockN, lane);
+    auto where = KV::locate(p, w.kv_start, w.kv_len, (w.end_kv_tile - 1) * kBlockN, thread);
     const int q_slot = q_ring.stage;
-    bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
-    if (lane == 0) {
-      bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
-      smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.m0);
+    if (KV::kProducerWarps == 1 || thread < 32) {
+      bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
+      if (lane == 0) {
+        bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
+        smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.m0);
+      }
     }
     q_ring.advance();
     for (int tile = w.end_kv_tile - 1; tile >= w.first_kv_tile; --tile) {
       const int n0 = tile * kBlockN;
       const int s = ring.stage;
       bar.k_empty[s].wait(ring.phase ^ 1);
-      KV::load(p, &p.k_map, p.k_token_dim_first, smem.k(s), bar.k_full[s], w.kv_head, where, lane);
+      KV::template load<KVOperand::kKeys>(p, smem.k(s), bar.k_full[s], w.kv_head, where, thread);
       bar.v_empty[s].wait(ring.phase ^ 1);
-      KV::load(p, &p.v_map, p.v_token_dim_first, smem.v(s), bar.v_full[s], w.kv_head, where, lane);
+      KV::template load<KVOperand::kValues>(p, smem.v(s), bar.v_full[s], w.kv_head, where, thread);
       // The next tile's lookups go out now; the waits below and at the loop's top hide them.
-      if (tile > w.first_kv_tile) where = KV::locate(p, w.kv_start, w.kv_len, n0 - kBlockN, lane);
+      if (tile > w.first_kv_tile) where = KV::locate(p, w.kv_start, w.kv_len, n0 - kBlockN, thread);
       __syncwarp();
       zero_pending();
-      if (n0 + kBlockN > w.kv_len) pending = PendingZero{s, ring.phase, w.kv_len - n0};
+      if (!KV::kZeroesPastEnd && n0 + kBlockN > w.kv_len) pending = PendingZero{s, ring.phase, w.kv_len - n0};
       ring.advance();
     }
     zero_pending();

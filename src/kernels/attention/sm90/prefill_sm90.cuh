@@ -36,7 +36,7 @@ constexpr bool kPrefetchEntries = TESSERA_SM90_PREFETCH_ENTRIES != 0;
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ unsigned char raw_smem[];
-  const PrefillSm90Smem<T, Config, KV::kPaged> smem(raw_smem);
+  const PrefillSm90Smem<T, Config, KV::kGroupedTiles> smem(raw_smem);
   constexpr int kConsumerWarps = 4 * Config::kConsumers;
   if (threadIdx.x == 0) {
     auto& bar = smem.barriers();
@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
       bar.q_empty[s].init(kConsumerWarps);
     }
     for (int s = 0; s < Config::kStages; ++s) {
-      bar.k_full[s].init(1);
-      bar.v_full[s].init(1);
+      bar.k_full[s].init(KV::kFullArrivals);
+      bar.v_full[s].init(KV::kFullArrivals);
       bar.k_empty[s].init(kConsumerWarps);
       bar.v_empty[s].init(kConsumerWarps);
       bar.v_zeroed[s].init(1);
@@ -60,10 +60,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
   const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     warpgroup_registers_decrease<Config::kProducerRegisters>();
-    if (threadIdx.x < 32) prefill_producer_warp<T, Config, Scheduler, KV>(p, smem);
+    if (threadIdx.x < 32 * KV::kProducerWarps) prefill_producer_warp<T, Config, Scheduler, KV>(p, smem);
   } else {
     warpgroup_registers_increase<Config::kConsumerRegisters>();
-    PrefillConsumer<T, Config, Logits, KV::kPaged> consumer(p, smem, warpgroup - 1);
+    PrefillConsumer<T, Config, Logits, KV> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
     // The next tile's index entries load while this one computes, not at the tile boundary:
     // +0.3-0.5% at every hd128 case, same run (notes/prefill_hopper.md v7). The producer loads its
@@ -90,7 +90,7 @@ constexpr DType dtype_of() {
 
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 void launch_prefill_sm90_variant(const PrefillSm90Params& params, int grid, cudaStream_t stream) {
-  constexpr int kSmemBytes = PrefillSm90Smem<T, Config, KV::kPaged>::kBytes;
+  constexpr int kSmemBytes = PrefillSm90Smem<T, Config, KV::kGroupedTiles>::kBytes;
   auto kernel = prefill_sm90_kernel<T, Config, Logits, Scheduler, KV>;
   static tessera::detail::OncePerDevice smem_limit_raised;
   smem_limit_raised([&] {
@@ -127,7 +127,12 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
   params.run_length = std::max(1, schedule.run_length);
-  if (base.paged) {
+  if (base.paged && base.page_size % 8 != 0) {
+    // Pages whose runs do not start on whole 8-row swizzle atoms: the producer gathers K / V
+    // (kv_source_sm90.cuh, GatheredKVSm90); Q still by TMA.
+    params.q_map = query_tensor_map(dtype_of<T>(), base, kHeadDim, Config::kBlockM);
+    params.kv_gathered = true;
+  } else if (base.paged) {
     const PagedTensorMaps maps = paged_tensor_maps(dtype_of<T>(), base, kHeadDim, Config::kBlockM, Config::kBlockN);
     params.q_map = maps.q;
     params.k_map = maps.k;
@@ -150,8 +155,14 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
   const int grid = persistent ? std::min(runs, num_sms) : params.tiles;
-  if (base.paged) launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
-  else launch_prefill_sm90_source<T, Config, RaggedKVSm90>(params, persistent, grid, stream);
+  if (base.paged && params.kv_gathered) {
+    launch_prefill_sm90_source<T, Config, GatheredKVSm90<Config::kBlockN, kHeadDim>>(params, persistent, grid, stream);
+  } else if (base.paged) {
+    launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
+  }
+  else {
+    launch_prefill_sm90_source<T, Config, RaggedKVSm90>(params, persistent, grid, stream);
+  }
 }
 
 }  // namespace tessera::kernels::sm90

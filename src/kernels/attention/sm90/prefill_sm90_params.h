@@ -27,6 +27,7 @@ struct PrefillSm90Params {
   int kv_tile_rows = 0;  // kBlockN
   bool kv_grouped = false, kv_head_in_blocks = false;  // PagedTensorMaps::grouped / head_in_blocks
   bool k_token_dim_first = false, v_token_dim_first = false;
+  bool kv_gathered = false;  // pages of page_size % 8 != 0: GatheredKVSm90 (no K / V maps)
 };
 
 }  // namespace tessera::kernels::sm90

@@ -129,6 +129,10 @@ RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int hea
   return maps;
 }
 
+CUtensorMap query_tensor_map(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows) {
+  return ragged_map("q", dtype, p.q, p.q_rows, p.num_qo_heads, head_dim, p.q_stride_row, p.q_stride_head, q_box_rows);
+}
+
 bool output_tensor_map(DType dtype, const PrefillParams& p, int head_dim, CUtensorMap* map) {
   const int64_t esize = 2;
   auto describable = [](int64_t extent, int64_t stride_bytes) {

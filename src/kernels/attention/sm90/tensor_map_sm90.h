@@ -42,6 +42,9 @@ struct PagedTensorMaps {
 PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                   int kv_tile_rows);
 
+// q alone, as ragged_tensor_maps makes it (paged K / V the producer gathers, page_size % 8 != 0).
+CUtensorMap query_tensor_map(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows);
+
 // o as a 3-D map for TMA stores (as q's: innermost head_dim, heads, rows; boxes of 64 x 1 x 64),
 // into *map. Returns false, leaving *map alone, when the copy engine cannot write o: a base not
 // 16-byte aligned, or a row / head stride (of a dim with more than one element) that is not a
