@@ -71,11 +71,10 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
   problem.paged = true;
   problem.page_size = config.page_size;
   problem.shared_memory_per_block = dispatch::shared_memory_per_block();
-  hopper_reads_pages_ =
-      config.path != AttentionPath::kPortable &&
-      dispatch::choose_prefill(AttentionPath::kHopper, cc_major, cc_minor,
-                               dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16,
-                               config.head_dim, problem).ok;
+  const dispatch::PrefillChoice family = dispatch::choose_prefill(
+      config.path, cc_major, cc_minor, dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16,
+      config.head_dim, problem);
+  hopper_reads_pages_ = family.ok && family.path == AttentionPath::kHopper;
 }
 
 void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& table) {
