@@ -54,8 +54,7 @@ AttentionPath choose_prefill_path(const PrefillArgs& args);
 // request's pages (cache layout NHD or HND, strided pages allowed, same dtype as q). The same
 // kernels as batch_prefill with a paged K / V loader; masks, variants and outputs as PrefillArgs.
 // On sm_90 the Hopper family reads every page size: multiples of 8 tokens by TMA boxes, the others
-// (1, 7, 100, ...) gathered by its producer warps with 16-byte copies. kAuto takes it for the
-// latter only at head_dim 64; at 128 and 256 the portable family is faster there (measured).
+// (1, 7, 100, ...) gathered by its producer warps with 16-byte copies.
 // The page table's host copies are required: the launch is sized from them and every page id is
 // checked against the cache (O(pages) on the host).
 struct PagedPrefillArgs {

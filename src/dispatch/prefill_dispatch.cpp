@@ -235,13 +235,9 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
     hopper_no = "the problem has " + std::to_string(problem.tiles) + " query tiles; the Hopper family takes < 2^31";
   }
   // Pages TMA cannot box (page_size % 8 != 0) the Hopper family gathers with cp.async
-  // (GatheredKVSm90), measured on the H200 (a66f473, 8K, page 1, same run) against the portable
-  // family: hd64 329 vs 292 TFLOP/s, but hd128 267 vs 360 and hd256 213 vs 327. So auto keeps
-  // the portable family there, except at hd64; forcing the Hopper family still runs it.
-  const bool gather_slower = problem.paged && problem.page_size % 8 != 0 && head_dim != 64 &&
-                             kernels::prefill_sm80_compiled(dtype, head_dim);
-  if (requested == AttentionPath::kHopper ||
-      (requested == AttentionPath::kAuto && hopper_no.empty() && !gather_slower)) {
+  // (GatheredKVSm90); on the H200 that beats the portable family at every head dim (8K, page 1,
+  // same run: hd64 459 vs 294 TFLOP/s, hd128 487 vs 362, hd256 482 vs 329), so auto takes it.
+  if (requested == AttentionPath::kHopper || (requested == AttentionPath::kAuto && hopper_no.empty())) {
     if (!hopper_no.empty()) {
       c.why_not = hopper_no;
       return c;

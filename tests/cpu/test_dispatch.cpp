@@ -26,9 +26,8 @@ TEST(PrefillDispatch, AutoPicksHopperOnSm90WhenBuilt) {
   ASSERT_TRUE(c.ok) << c.why_not;
   EXPECT_EQ(c.path, hopper.built ? AttentionPath::kHopper : AttentionPath::kPortable);
   // Paged KV caches: the Hopper family reads every page size (multiples of 8 by TMA, the others
-  // gathered by its producer warps), so forcing it is fine at every size; auto takes it for
-  // multiples of 8, and for the others only at head_dim 64 (where the gather measured faster than
-  // the portable family).
+  // gathered by its producer warps, faster than the portable family there too), so auto takes it
+  // and forcing it is fine.
   for (int head_dim : {64, 128, 256}) {
     for (int page_size : {8, 16, 48, 64, 256, 1, 2, 7, 12, 100}) {
       dispatch::PrefillProblem paged;
@@ -36,8 +35,7 @@ TEST(PrefillDispatch, AutoPicksHopperOnSm90WhenBuilt) {
       paged.page_size = page_size;
       const auto p = dispatch::choose_prefill(AttentionPath::kAuto, 9, 0, DType::kBF16, head_dim, paged);
       if (!p.ok) continue;  // head_dim not compiled in this build
-      const bool auto_hopper = hopper.built && (page_size % 8 == 0 || head_dim == 64);
-      EXPECT_EQ(p.path, auto_hopper ? AttentionPath::kHopper : AttentionPath::kPortable)
+      EXPECT_EQ(p.path, hopper.built ? AttentionPath::kHopper : AttentionPath::kPortable)
           << "page " << page_size << " head_dim " << head_dim;
       const auto forced = dispatch::choose_prefill(AttentionPath::kHopper, 9, 0, DType::kBF16, head_dim, paged);
       EXPECT_EQ(forced.ok, hopper.built) << "page " << page_size << ": " << forced.why_not;

@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/sm90/prefill_sm90_params.h"
-#include "kernels/common/mma_sm80.cuh"
 #include "kernels/common/tma_sm90.cuh"
 #include "kernels/common/device_check.cuh"
 #include "kernels/common/warp_uniform.cuh"
@@ -146,15 +145,19 @@ struct PagedKVSm90 {
 
 // Pages of any size (1, 7, 54, ...: TMA boxes must start on whole 8-row swizzle atoms, so those
 // are not TMA'd): the producer warpgroup's four warps gather the tile with 16-byte cp.async
-// copies into Sw128Tile's layout, warp w rows [32 w, 32 w + 32), a half warp per 256-byte row at
-// head_dim 128 (global reads coalesced per row). Thread j of warp w looks up row 32 w + j's page
-// one tile ahead (Where) and computes its offset; each copy takes its row's offset from the lane
-// holding it (a shuffle). Rows past kv_len are zero-filled by the copies themselves (cp.async
-// with no source bytes), so no V row needs zeroing. The copies complete on the stage's barrier
-// through one cp.async.mbarrier.arrive.noinc per thread; they write through the generic proxy,
-// so the consumers fence (fence.proxy.async) before their wgmma reads.
-// One warp alone issued the copies at 82 TFLOP/s (hd128 page 1, 8K; the ragged kernel 683): the
-// copy loop, ~25 instructions a copy in one warp, was the step's critical path.
+// copies into Sw128Tile's layout. Warp w copies rows 32 w + r and 32 w + 16 + r (r = lane / 2),
+// the lane pair of a row its even and odd 16-byte chunks, so each copy instruction reads whole
+// 32-byte sectors of 16 rows. Each thread looks up its two rows' pages itself, one tile ahead
+// (Where; the pair's duplicate lookup hits the cache), and then a copy costs one XOR for its
+// swizzled address: in a 1024-byte aligned tile of 128-byte rows, chunk c of row `row` sits at
+// (row address + (row % 8) * 16) ^ ((c % 8) * 16), column block c / 8. Rows past kv_len are
+// zero-filled by the copies themselves (cp.async with no source bytes), so no V row needs
+// zeroing. The copies complete on the stage's barrier through one cp.async.mbarrier.arrive.noinc
+// per thread; they write through the generic proxy, so the consumers fence (fence.proxy.async)
+// before their wgmma reads.
+// The first versions passed each row's page from the lane holding it by shuffle, ~25
+// instructions a copy: the consumers waited on K 36% of the time (ncu, hd128 page 1), 82 TFLOP/s
+// with one copying warp, 267 with four (the ragged kernel 695).
 template <int kBlockN, int kHeadDim>
 struct GatheredKVSm90 {
   static constexpr bool kPaged = true;
@@ -164,27 +167,33 @@ struct GatheredKVSm90 {
   static constexpr bool kZeroesPastEnd = true;
   static constexpr bool kGenericWrites = true;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  static_assert(32 % kChunks == 0, "a warp copy covers whole rows (head_dim <= 256)");
-  static_assert(kBlockN <= 32 * kProducerWarps, "a producer thread per row");
+  static_assert(kChunks % 2 == 0 && kChunks <= 32, "lane pairs split a row's chunks");
+  static_assert(kBlockN <= 32 * kProducerWarps, "two rows per lane pair and warp half");
   __device__ static void extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
     paged_extent(e, page_size, kv_start, kv_len);
   }
+  // Row i (0, 1) of this thread: 32 warp + 16 i + lane / 2.
+  __device__ static int row_of(int thread, int i) { return 32 * (thread / 32) + 16 * i + (thread % 32) / 2; }
   struct Where {
-    int keys;         // the tile's keys inside the request (<= kBlockN), the same for every thread
-    int page, token;  // row `thread`'s page id and token in it (page -1: past the request's keys)
+    int keys;             // the tile's keys inside the request (<= kBlockN), the same for every thread
+    int page[2], token[2];  // this thread's rows' page ids and tokens (page -1: past the keys)
   };
   __device__ static Where locate(const PrefillSm90Params& p, int kv_start, int kv_len, int n0, int thread) {
     Where where;
     where.keys = min(kv_len - n0, kBlockN);
-    where.page = -1;
-    where.token = 0;
-    if (thread < where.keys) {
-      const unsigned key = unsigned(n0 + thread);
-      const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
-      where.page = p.base.kv_indices[kv_start + int(page_of_key)];
-      TESSERA_DEVICE_CHECK_QUIET(where.page >= 0 && where.page < p.base.num_pages,
-                                 "a kv_indices page id outside the page tensors");
-      where.token = int(key - page_of_key * unsigned(p.base.page_size));
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = row_of(thread, i);
+      where.page[i] = -1;
+      where.token[i] = 0;
+      if (row < where.keys) {
+        const unsigned key = unsigned(n0 + row);
+        const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
+        where.page[i] = p.base.kv_indices[kv_start + int(page_of_key)];
+        TESSERA_DEVICE_CHECK_QUIET(where.page[i] >= 0 && where.page[i] < p.base.num_pages,
+                                   "a kv_indices page id outside the page tensors");
+        where.token[i] = int(key - page_of_key * unsigned(p.base.page_size));
+      }
     }
     return where;
   }
@@ -197,25 +206,23 @@ struct GatheredKVSm90 {
     const int64_t stride_page = kKeys ? p.base.k_stride_page : p.base.v_stride_page;
     const int64_t stride_token = kKeys ? p.base.k_stride_token : p.base.v_stride_token;
     const int64_t stride_head = kKeys ? p.base.k_stride_head : p.base.v_stride_head;
-    base += kv_head * stride_head * 2;
-    // This thread's row's element offset, for the copies of that row to read by shuffle.
-    const long long row_offset = where.page >= 0 ? where.page * stride_page + where.token * stride_token : 0;
-    const int warp = thread / 32, lane = thread % 32;
-    constexpr int kRowsPerCopy = 32 / kChunks;  // rows one warp copy covers
-    const int c = lane % kChunks;               // this lane's 16-byte chunk of its rows
-    // Not unrolled whole: the compiler then hoisted every copy's lane-dependent offsets out of
-    // the tile loop and spilled them (1.1 KB of stack in the producer's 24 registers; by 4:
-    // 48 bytes).
-#pragma unroll 2
-    for (int i = 0; i < 32 / kRowsPerCopy; ++i) {
-      const int r = i * kRowsPerCopy + lane / kChunks;  // row within the warp's 32
-      const int row = 32 * warp + r;
-      if (32 * warp + i * kRowsPerCopy >= kBlockN) break;  // hd256's 80-row tiles: uniform per warp
-      const long long offset = __shfl_sync(0xffffffffu, row_offset, r);
-      const bool valid = row < where.keys;
-      const unsigned char* src = valid ? base + (offset + c * 8) * 2 : base;
-      unsigned char* dst = tile.block(c / 8) + row * 128 + (((c % 8) ^ (row % 8)) * 16);
-      sm80::cp_async_16(dst, src, valid);
+    const int half = thread % 2;  // this lane's chunks: 2 k + half
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = row_of(thread, i);
+      if (32 * (thread / 32) + 16 * i >= kBlockN) break;  // hd256's 80-row tiles: uniform per warp
+      const bool valid = where.page[i] >= 0;
+      const unsigned char* src =
+          valid ? base + ((where.page[i] * stride_page + where.token[i] * stride_token + kv_head * stride_head) + 8 * half) * 2
+                : base;
+      const uint32_t dst = smem_u32(tile.block(0)) + row * 128 + ((row % 8) * 16);
+#pragma unroll
+      for (int k = 0; k < kChunks / 2; ++k) {
+        const int c = 2 * k;  // this lane's chunk is c + half; (c + half) % 8 * 16 == (c % 8) * 16 ^ half * 16
+        const uint32_t to = ((dst ^ ((c % 8) * 16) ^ (half * 16))) + (c / 8) * Tile::kBlockBytes;
+        // Past kv_len src is the tensor's first row, and src + 32 k stays inside it: nothing is read.
+        cp_async_16_to(to, src + 32 * k, valid);
+      }
     }
     full.arrive_after_copies();
   }
