@@ -860,6 +860,38 @@ struct MoeCombineProblem {
   void run() { moe_combine(a, nullptr); }
 };
 
+// 16 tokens over 64 experts, top-8 (moe_route), with a selection bias.
+struct MoeRouteProblem {
+  MoeRouteArgs a;
+  MoeRouteProblem() {
+    a.logits = TensorView::contiguous(fake(), DType::kFP32, {16, 64});
+    a.selection_bias = TensorView::contiguous(fake(3 << 24), DType::kFP32, {64});
+    a.top_k = 8;
+    a.topk_ids = TensorView::contiguous(fake(1 << 24), DType::kInt32, {16, 8});
+    a.topk_weights = TensorView::contiguous(fake(2 << 24), DType::kFP32, {16, 8});
+  }
+  void run() { moe_route(a, nullptr); }
+};
+
+// 16 tokens, top-2 of 8 experts, segments aligned to 16 rows, x (hidden 64) permuted too.
+struct MoePermuteProblem {
+  MoePermuteArgs a;
+  MoePermuteProblem() {
+    const int64_t cap = moe_permute_capacity(16, 2, 8, 16);
+    a.topk_ids = TensorView::contiguous(fake(), DType::kInt32, {16, 2});
+    a.num_experts = 8;
+    a.align = 16;
+    a.x = TensorView::contiguous(fake(5 << 24), DType::kBF16, {16, 64});
+    a.permuted_x = TensorView::contiguous(fake(6 << 24), DType::kBF16, {cap, 64});
+    a.expert_offsets = TensorView::contiguous(fake(1 << 24), DType::kInt32, {9});
+    a.permuted_token = TensorView::contiguous(fake(2 << 24), DType::kInt32, {cap});
+    a.inverse = TensorView::contiguous(fake(3 << 24), DType::kInt32, {16, 2});
+    a.workspace = fake(4 << 24);
+    a.workspace_size = moe_permute_workspace_bytes(16, 2, 8);
+  }
+  void run() { moe_permute(a, nullptr); }
+};
+
 // 16 tokens, hidden 64, inter 32, 8 experts, top-2 routed from logits (received in topk_ids /
 // topk_weights), a selection bias, a shared expert of inter 16.
 struct FusedMoeProblem {
@@ -890,8 +922,9 @@ struct FusedMoeGivenProblem : FusedMoeProblem {
   }
 };
 
-// ValidationTable's generic view rules over the new entry points' tensors. "null data" is skipped
-// for optional tensors (a null view there means "not given").
+// ValidationTable's generic view rules over the MoE entry points' tensors (routing, permutation,
+// grouped GEMM, combine, the fused layer). "null data" is skipped for optional tensors (a null view
+// there means "not given").
 TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
   if (gpu_visible()) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
   const std::vector<ViewRule> rules = {
@@ -903,6 +936,8 @@ TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
       {"extent past 2^63 bytes", false, [](TensorView& t) { t.stride[0] = int64_t(1) << 62; }},
       {"broadcast output", true, [](TensorView& t) { t.stride[0] = 0; }},
   };
+  using RP = MoeRouteProblem;
+  using PP = MoePermuteProblem;
   using GP = MoeGemmProblem;
   using CP = MoeCombineProblem;
   using FP = FusedMoeProblem;
@@ -910,6 +945,15 @@ TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
   auto in = [](auto get) { return std::make_pair(false, get); };
   auto out = [](auto get) { return std::make_pair(true, get); };
   std::vector<TableEntry> t;
+  t.push_back(table_entry<RP>("moe_route", [](RP& p) { p.run(); },
+      {{"logits", in(std::function<TensorView&(RP&)>([](RP& p) -> TensorView& { return p.a.logits; }))},
+       {"topk_ids", out(std::function<TensorView&(RP&)>([](RP& p) -> TensorView& { return p.a.topk_ids; }))},
+       {"topk_weights", out(std::function<TensorView&(RP&)>([](RP& p) -> TensorView& { return p.a.topk_weights; }))}}));
+  t.push_back(table_entry<PP>("moe_permute", [](PP& p) { p.run(); },
+      {{"topk_ids", in(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.topk_ids; }))},
+       {"expert_offsets", out(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.expert_offsets; }))},
+       {"permuted_token", out(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.permuted_token; }))},
+       {"inverse", out(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.inverse; }))}}));
   t.push_back(table_entry<GP>("moe_grouped_gemm", [](GP& p) { p.run(); },
       {{"a", in(std::function<TensorView&(GP&)>([](GP& p) -> TensorView& { return p.a.a; }))},
        {"weights", in(std::function<TensorView&(GP&)>([](GP& p) -> TensorView& { return p.a.weights; }))},
@@ -930,6 +974,11 @@ TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
        {"topk_weights", in(std::function<TensorView&(FG&)>([](FG& p) -> TensorView& { return p.a.topk_weights; }))}}));
   // Optional tensors: every rule but "null data".
   std::vector<TableEntry> optional;
+  optional.push_back(table_entry<RP>("moe_route", [](RP& p) { p.run(); },
+      {{"selection_bias", in(std::function<TensorView&(RP&)>([](RP& p) -> TensorView& { return p.a.selection_bias; }))}}));
+  optional.push_back(table_entry<PP>("moe_permute", [](PP& p) { p.run(); },
+      {{"x", in(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.x; }))},
+       {"permuted_x", out(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.permuted_x; }))}}));
   optional.push_back(table_entry<CP>("moe_combine", [](CP& p) { p.run(); },
       {{"shared_out", in(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.shared_out; }))}}));
   optional.push_back(table_entry<FP>("fused_moe", [](FP& p) { p.run(); },
@@ -955,7 +1004,11 @@ TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
           rule.apply(view);
           SCOPED_TRACE(std::string(e.entry) + " argument " + arg.name + ": " + rule.rule);
           const bool route_option = std::string(arg.name) == "selection_bias";
-          expect_arg_error(e.entry, [&] { e.call(problem.get()); }, {arg.name}, route_option ? "moe_route" : nullptr);
+          // x alone without permuted_x (or the reverse) is refused as the pair's rule, naming either.
+          std::vector<std::string> named = {arg.name};
+          if (std::string(e.entry) == "moe_permute" && (std::string(arg.name) == "x" || std::string(arg.name) == "permuted_x"))
+            named = {"x", "permuted_x"};
+          expect_arg_error(e.entry, [&] { e.call(problem.get()); }, named, route_option ? "moe_route" : nullptr);
           ++cases;
         }
       }
