@@ -32,7 +32,7 @@ void limit_shared_memory_per_block(int bytes);
 // What of the problem the choice depends on, besides the GPU, dtype and head dim.
 struct PrefillProblem {
   bool paged = false;
-  int page_size = 0;  // paged: tokens per page (the Hopper family takes multiples of 8)
+  int page_size = 0;  // paged: tokens per page (the Hopper family boxes multiples of 8, gathers the rest)
   int64_t tiles = 0;  // (request, query head, 128-row query tile) triples of the launch
   int shared_memory_per_block = 0;  // what the GPU allows (shared_memory_per_block()); 0: not checked
 };

@@ -255,7 +255,7 @@ TEST(GpuPrefillPaged, PageSizesAndLayouts) {
 // ---- 1b. The Hopper family over pages --------------------------------------------------------------
 // sm_90: every page size. Multiples of 8 by TMA (boxes of gcd(page_size, KV tile) rows: 8-row
 // boxes, pages of 48 and 80 with 16-row boxes, pages larger than a tile); the others (1, 3, 7, 12,
-// 100) gathered by the producer warp with cp.async (GatheredKVSm90). Both layouts, every compiled
+// 100) gathered by the producer warpgroup with cp.async (GatheredKVSm90). Both layouts, every compiled
 // head dim and dtype, causal and windowed, GQA, strided pages; the batch of PageSizesAndLayouts
 // (chunked prefill, empty requests, qo_len > kv_len).
 TEST(GpuPrefillPaged, HopperFamilyPageSizesAndLayouts) {
@@ -581,7 +581,7 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
 // more runs than a query tile has KV tiles (empty runs write the empty state, which the merge
 // must ignore); a mixed batch with a request without keys and one without queries; the compiled
 // head dims (hd256's 80-key tiles, hd64's 192-row ones) over NHD and HND pages of 1 to 64 tokens
-// (1 and 7 gathered by the Hopper producer).
+// (1 and 7 gathered by the Hopper producer warpgroup).
 TEST(GpuPrefillPagedSplit, ForcedSplitCountsOnBothFamilies) {
   TESSERA_REQUIRE_GPU();
   struct Geometry {

@@ -1,21 +1,23 @@
 // Where the Hopper prefill kernel's K and V come from: a request's extent (WorkTile::kv_start and
-// kv_len) and the producer warp's copy of one KV tile into the ring.
+// kv_len) and the producer's copy of one KV tile into the ring.
 //   RaggedKVSm90: a ragged [total_kv, heads, head_dim] tensor (k_map / v_map 3-D); kv_start is the
 //     request's first row; a tile is one TMA box of kBlockN rows per 64-column block.
 //   PagedKVSm90: pages [num_pages, page_size, heads, head_dim] (NHD) or [num_pages, heads,
-//     page_size, head_dim] (HND) behind 5-D grouped maps, or 4-D ones for padded heads
-//     (tensor_map_sm90.h; the layout is only the maps' dim order and strides), into tiles whose
-//     column blocks are interleaved per 8 rows (Sw128GroupedTile); kv_start is the request's first
-//     entry of kv_indices. A tile of kBlockN keys is kBlockN / box_rows runs of box_rows =
-//     gcd(page_size, kBlockN) rows (a multiple of 8: each run lies inside one page and starts on
-//     a whole 8-row group); lane j of the producer warp looks up run j's page and copies it: one
-//     box with a grouped map (all column blocks: the copy engine serves about one box per 50 ns
-//     per SM, so page-16 tiles of one box per column block and page were request-bound), else
-//     one per 8 rows and column block. A tile costs one index load per lane.
+//     page_size, head_dim] (HND), page_size a multiple of 8, behind 5-D grouped maps, or 4-D ones
+//     for padded heads (tensor_map_sm90.h; the layout is only the maps' dim order and strides),
+//     into tiles whose column blocks are interleaved per 8 rows (Sw128GroupedTile); kv_start is
+//     the request's first entry of kv_indices. A tile of kBlockN keys is kBlockN / box_rows runs
+//     of box_rows = gcd(page_size, kBlockN) rows (a multiple of 8: each run lies inside one page
+//     and starts on a whole 8-row group); lane j of the producer warp looks up run j's page and
+//     copies it: one box with a grouped map (all column blocks: the copy engine serves about one
+//     box per 50 ns per SM, so page-16 tiles of one box per column block and page were
+//     request-bound), else one per 8 rows and column block. A tile costs one index load per lane.
+//   GatheredKVSm90: the same pages of any other size (1, 7, 100, ...), gathered by the producer
+//     warpgroup's four warps with 16-byte cp.async copies (below).
 // Keys past kv_len: ragged, the next request's rows; paged, the rest of the last page, and boxes
 // wholly past kv_len are not copied (their shared memory keeps an older tile). The consumers mask
 // those logits and the producer zeroes those V rows (prefill_producer_sm90.cuh), so neither
-// reaches O.
+// reaches O. The gathered source's copies write zeros there themselves (kZeroesPastEnd).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -27,10 +29,12 @@
 
 namespace tessera::kernels::sm90 {
 
-// A KV source reads a request's extent from its RequestEntries and is used in two steps per tile, so the paged page-id loads of the next tile can be in
-// flight while the producer waits for ring slots (each lookup is a dependent global load):
-//   Where where = KV::locate(p, kv_start, kv_len, n0, lane);   // what to copy (lane's share)
-//   KV::load(p, map, token_first, tile, full, kv_head, where, lane);  // K, then V, same `where`
+// A KV source reads a request's extent from its RequestEntries and is used in two steps per tile,
+// so the page-id loads of the next tile can be in flight while the producer waits for ring slots
+// (each lookup is a dependent global load); `thread` is the producer thread (0 .. 32
+// kProducerWarps - 1):
+//   Where where = KV::locate(p, kv_start, kv_len, n0, thread);   // what to copy (this thread's share)
+//   KV::load<KVOperand::kKeys>(p, tile, full, kv_head, where, thread);  // K, then V, same `where`
 // A request's entries of the index arrays, as loaded (not yet warp-uniform): qo_indptr[r],
 // qo_indptr[r + 1], kv_indptr[r], kv_indptr[r + 1] and, paged, kv_last_page_len[r]. Loaded apart
 // from their use so the consumers can have the next work tile's in flight while they compute the
@@ -169,6 +173,7 @@ struct GatheredKVSm90 {
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   static_assert(kChunks % 2 == 0 && kChunks <= 32, "lane pairs split a row's chunks");
   static_assert(kBlockN <= 32 * kProducerWarps, "two rows per lane pair and warp half");
+  static_assert(kBlockN % 16 == 0, "a warp half's 16 rows lie wholly inside the tile or wholly past it");
   __device__ static void extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
     paged_extent(e, page_size, kv_start, kv_len);
   }
@@ -224,6 +229,9 @@ struct GatheredKVSm90 {
         cp_async_16_to(to, src + 32 * k, valid);
       }
     }
+    // The slot's previous contents were last read by the consumers' wgmma (async proxy) before
+    // they released it on the empty barrier this thread waited on: wgmma completion includes a
+    // generic-async proxy fence (PTX ISA 9.7.15.4), so these generic writes come after those reads.
     full.arrive_after_copies();
   }
 };

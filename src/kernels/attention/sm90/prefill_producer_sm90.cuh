@@ -6,9 +6,10 @@
 // The rows of a request's last, partial KV tile past kv_len hold other data (the next request's
 // rows, the rest of a page, or an older tile when the paged source skips a box). Their logits are
 // masked, but P = 0 times a NaN or Inf there would still reach O through the tensor cores; the
-// conventions promise that keys past kv_len never do. So the producer zeroes those rows of the V
-// tile once it has landed (after issuing the next tile's copies, so nothing waits on it), and the
-// consumers take a partial tile's V only after its `v_zeroed` barrier. K needs nothing: masked
+// conventions promise that keys past kv_len never do. So for the TMA sources the producer zeroes
+// those rows of the V tile once it has landed (after issuing the next tile's copies, so nothing
+// waits on it), and the consumers take a partial tile's V only after its `v_zeroed` barrier (the
+// gathered source's copies write zeros there: KV::kZeroesPastEnd). K needs nothing: masked
 // logits are overwritten.
 #pragma once
 

@@ -159,8 +159,7 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
     launch_prefill_sm90_source<T, Config, GatheredKVSm90<Config::kBlockN, kHeadDim>>(params, persistent, grid, stream);
   } else if (base.paged) {
     launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
-  }
-  else {
+  } else {
     launch_prefill_sm90_source<T, Config, RaggedKVSm90>(params, persistent, grid, stream);
   }
 }

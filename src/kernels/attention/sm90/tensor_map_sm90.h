@@ -37,8 +37,9 @@ struct PagedTensorMaps {
   bool v_token_dim_first = false;
 };
 
-// q as ragged_tensor_maps; k and v as above. Requires page_size % 8 == 0 (the dispatcher's rule
-// for this family) and throws tessera::Error otherwise or if the driver rejects a map.
+// q as ragged_tensor_maps; k and v as above. Requires page_size % 8 == 0 (other page sizes are
+// gathered without maps: GatheredKVSm90) and throws tessera::Error otherwise or if the driver
+// rejects a map.
 PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                   int kv_tile_rows);
 
