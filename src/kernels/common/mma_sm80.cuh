@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/pack_half2.cuh"
 
 namespace tessera::kernels::sm80 {
@@ -24,9 +25,7 @@ __device__ inline uint32_t smem_addr(const void* p) {
 
 // 16-byte global -> shared copy; `valid == false` writes zeros and reads nothing.
 __device__ inline void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
-               "l"(gmem), "r"(src_bytes));
+  kernels::cp_async_16(smem_addr(smem), gmem, valid);
 }
 // An L2 policy that evicts first the lines it tags: for data read exactly once (decode's K/V
 // stream), so that it does not push out what is reused (the kernel's partial states, the page table).

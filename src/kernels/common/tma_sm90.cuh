@@ -24,13 +24,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy to a shared-memory address; `valid == false` writes zeros and
-// reads nothing (cp.async with no source bytes).
-__device__ __forceinline__ void cp_async_16_to(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 struct Mbarrier {
   uint64_t word;
 

@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention/sm90/prefill_sm90_params.h"
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/tma_sm90.cuh"
 #include "kernels/common/device_check.cuh"
 #include "kernels/common/warp_uniform.cuh"
@@ -226,7 +227,7 @@ struct GatheredKVSm90 {
         const int c = 2 * k;  // this lane's chunk is c + half; (c + half) % 8 * 16 == (c % 8) * 16 ^ half * 16
         const uint32_t to = ((dst ^ ((c % 8) * 16) ^ (half * 16))) + (c / 8) * Tile::kBlockBytes;
         // Past kv_len src is the tensor's first row, and src + 32 k stays inside it: nothing is read.
-        cp_async_16_to(to, src + 32 * k, valid);
+        cp_async_16(to, src + 32 * k, valid);
       }
     }
     // The slot's previous contents were last read by the consumers' wgmma (async proxy) before

@@ -155,7 +155,7 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
   const int grid = persistent ? std::min(runs, num_sms) : params.tiles;
-  if (base.paged && params.kv_gathered) {
+  if (params.kv_gathered) {
     launch_prefill_sm90_source<T, Config, GatheredKVSm90<Config::kBlockN, kHeadDim>>(params, persistent, grid, stream);
   } else if (base.paged) {
     launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
