@@ -636,8 +636,11 @@ int bench_prefill_plan(const Args& a) {
   // split=1 (default): BatchPrefillPaged, planned once (the KV split it picks); split=0: the
   // unsplit batch_prefill_paged.
   // kv_splits=N forces the plan's split count (the cost model's sweep); path=portable|hopper the
-  // family; scheduler=... the Hopper schedule (force_schedule_if_asked).
+  // family; scheduler=... the Hopper schedule (force_schedule_if_asked). cuda_graph=true: the
+  // config's fixed-grid kernels (what a captured run() replays), timed as eager run()s over the
+  // rotated inputs (a replay runs the same kernels; it saves only the launches).
   const bool use_split = arg_int(a, "split", "1") != 0;
+  const bool fixed_grid = arg(a, "cuda_graph", "false") == "true";
   dispatch::force_prefill_kv_splits(static_cast<int>(arg_int(a, "kv_splits", "0")));
   force_schedule_if_asked(a);
   PagedPrefillConfig pcfg;
@@ -648,9 +651,21 @@ int bench_prefill_plan(const Args& a) {
   pcfg.max_kv_splits = std::max(16, static_cast<int>(arg_int(a, "kv_splits", "0")));
   pcfg.causal = causal;
   if (a.count("path")) pcfg.path = arg(a, "path") == "hopper" ? AttentionPath::kHopper : AttentionPath::kPortable;
+  pcfg.cuda_graph = fixed_grid;
+  pcfg.max_batch_size = fixed_grid ? batch : 0;
   Buffer split_ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(pcfg), 256));
   BatchPrefillPaged prefill(pcfg, split_ws.get(), split_ws.bytes());
-  prefill.plan(qo_indptr.data(), device_table.table);
+  // plan()'s host time: median of 50 calls on the same step (with cuda_graph: the schedule and
+  // the step's copy, waiting for the previous one), the GPU idle before (the inputs' fills done).
+  cuda_ok(cudaDeviceSynchronize(), "fills");
+  std::vector<double> plan_us(50);
+  for (double& us : plan_us) {
+    const auto t0 = std::chrono::steady_clock::now();
+    prefill.plan(qo_indptr.data(), device_table.table, nullptr);
+    us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  }
+  std::nth_element(plan_us.begin(), plan_us.begin() + 25, plan_us.end());
+  cuda_ok(cudaDeviceSynchronize(), "plan");
   auto run_step = [&](int i) {
     const PagedSet& st = sets[i % rot];
     PagedPrefillArgs pa;
@@ -671,12 +686,12 @@ int bench_prefill_plan(const Args& a) {
   std::printf("{\"suite\": \"prefill_plan\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
               "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
               "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d, "
-              "\"plan_path\": \"%s\", \"estimated_us\": %.1f}\n",
+              "\"plan_path\": \"%s\", \"estimated_us\": %.1f, \"cuda_graph\": %s, \"plan_us\": %.1f}\n",
               arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
               static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout),
               use_split ? prefill.last_plan().kv_splits : 1,
               attention_path_name(use_split ? prefill.last_plan().path : AttentionPath::kAuto),
-              use_split ? prefill.last_plan().estimated_us : 0.0);
+              use_split ? prefill.last_plan().estimated_us : 0.0, fixed_grid ? "true" : "false", plan_us[25]);
   return 0;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "tessera/kv_cache.h"
 #include "tessera/stream.h"
@@ -87,9 +88,25 @@ AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args);
 // which cost one work-tile start each. The caller owns the workspace (workspace_bytes(config)).
 //
 //   tessera::BatchPrefillPaged prefill(config, ws, tessera::BatchPrefillPaged::workspace_bytes(config));
-//   per step: prefill.plan(host_qo_indptr, table);   per layer: prefill.run(args, stream);
+//   per step: prefill.plan(host_qo_indptr, table, stream);   per layer: prefill.run(args, stream);
 //
-// Not yet: CUDA-graph capture of run() (its grid follows the step), split counts per request.
+// CUDA graphs (config.cuda_graph): plan() copies the step (its batch size, longest query, split
+// count, its qo_indptr, kv_indptr and kv_last_page_len, and a static schedule: every work tile,
+// longest first, on the CTA with the least work so far) into the workspace with one asynchronous
+// copy on its stream, and run() launches grids of a fixed size whose CTAs read the step from
+// there (each CTA its list of tiles, then a merge that does nothing where the step is not split),
+// so a run() captured once replays correctly for any later step that plan() was called for
+// (outside the graph, before the replay). Such a run() reads the planned
+// index arrays, not its arguments' device qo_indptr / kv_indptr / kv_last_page_len; it reads the
+// arguments' kv_indices, q, the cache, o and lse, which must keep their addresses. A replay checks
+// nothing: once a run() was captured, plan() requires num_pages (every page id is checked against
+// it) and rejects steps with more query rows, page-table entries or cache pages than the captured
+// run() was given, or more requests than max_batch_size. Eager run()s of a cuda_graph config run
+// the same kernels (results bitwise equal to a replay of the same step); against a config without
+// cuda_graph they cost the merge's launch on unsplit steps and the schedule's host time in plan()
+// (notes/prefill_paged.md has both measured), and the family is fixed by the plan: run()'s dtype
+// must take the family plan() scheduled for (set path where the dtype could change it).
+// Not yet: split counts per request (one count per step).
 struct PagedPrefillConfig {
   int num_qo_heads = 0;
   int head_dim = 0;
@@ -101,6 +118,8 @@ struct PagedPrefillConfig {
   // mask, whatever these say (a different one only makes the split less well chosen).
   bool causal = false;
   int window_left = -1;
+  bool cuda_graph = false;  // run() may be captured into a CUDA graph (see above)
+  int max_batch_size = 0;   // requests per step, at most: required (>= 1) with cuda_graph
 };
 
 struct PagedPrefillPlanInfo {
@@ -116,24 +135,38 @@ struct PagedPrefillPlanInfo {
 class BatchPrefillPaged {
  public:
   static std::size_t workspace_bytes(const PagedPrefillConfig& config);
+  // With cuda_graph, also allocates a pinned host buffer for the step's image (and checks that
+  // the workspace is device memory).
   BatchPrefillPaged(const PagedPrefillConfig& config, void* workspace, std::size_t workspace_size);
+  ~BatchPrefillPaged();
+  BatchPrefillPaged(const BatchPrefillPaged&) = delete;
+  BatchPrefillPaged& operator=(const BatchPrefillPaged&) = delete;
 
   // Once per step, on the host: the query lengths (host_qo_indptr, [batch + 1]) and the page
-  // table's host copies decide the split. Allocates nothing, touches no device memory.
-  void plan(const int32_t* host_qo_indptr, const PageTable& table);
+  // table's host copies decide the split. Without cuda_graph it allocates nothing and touches no
+  // device memory (stream is unused). With cuda_graph it copies the step into the workspace on
+  // `stream` (asynchronous; waits on the host only for the previous plan's copy to have left the
+  // staging buffer) and must not be called while `stream` is being captured. num_pages (the
+  // cache's pages), when >= 0, has every host page id checked against it here; once a run() was
+  // captured it is required.
+  void plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream = nullptr,
+            int64_t num_pages = -1);
   // Per layer: the arguments of batch_prefill_paged for the planned step (validated the same way;
   // their qo_indptr / page table must be the planned ones).
   void run(const PagedPrefillArgs& args, cudaStream_t stream);
   PagedPrefillPlanInfo last_plan() const { return info_; }
 
  private:
+  struct Graph;  // cuda_graph: the step's staging image and the captured buffers' bounds
   PagedPrefillConfig config_;
   float* workspace_ = nullptr;
   bool planned_ = false;
   int64_t planned_rows_ = 0;
+  int64_t planned_batch_ = 0;
   int num_sms_ = 0;
   bool hopper_reads_pages_ = false;  // the Hopper family runs this config's paged prefill here
   PagedPrefillPlanInfo info_;
+  std::unique_ptr<Graph> graph_;
 };
 
 }  // namespace tessera

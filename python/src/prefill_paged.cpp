@@ -29,13 +29,14 @@ class PagedPrefiller {
   }
 
   void plan(nb::handle host_qo_indptr, nb::handle kv_indptr, nb::handle kv_indices, nb::handle kv_last_page_len,
-            nb::handle host_kv_indptr, nb::handle host_kv_indices, nb::handle host_kv_last_page_len) {
+            nb::handle host_kv_indptr, nb::handle host_kv_indices, nb::handle host_kv_last_page_len, int64_t num_pages,
+            uintptr_t stream) {
     ArgConverter conv("BatchPrefillPaged::plan");
     const PageTable table = page_table(conv, kv_indptr, kv_indices, kv_last_page_len, host_kv_indptr,
                                        host_kv_indices, host_kv_last_page_len);
     const int32_t* qo = conv.host_indices(host_qo_indptr, "host_qo_indptr", table.indptr.size(0));
     DeviceGuard guard(device_);
-    impl_->plan(qo, table);
+    impl_->plan(qo, table, as_stream(stream), num_pages);
   }
 
   void run(nb::handle q, nb::handle qo_indptr, nb::handle host_qo_indptr, nb::handle k_pages, nb::handle v_pages,
@@ -68,13 +69,15 @@ void bind_prefill_paged(nb::module_& m) {
                                  "A BatchPrefillPaged's fixed configuration (tessera::PagedPrefillConfig).")
       .def("__init__",
            [](PagedPrefillConfig* self, int num_qo_heads, int head_dim, int page_size, int max_q_rows,
-              int max_kv_splits, AttentionPath path, bool causal, int window_left) {
-             new (self) PagedPrefillConfig{num_qo_heads, head_dim, page_size, max_q_rows, max_kv_splits, path,
-                                           causal, window_left};
+              int max_kv_splits, AttentionPath path, bool causal, int window_left, bool cuda_graph,
+              int max_batch_size) {
+             new (self) PagedPrefillConfig{num_qo_heads, head_dim, page_size,  max_q_rows, max_kv_splits, path,
+                                           causal,       window_left, cuda_graph, max_batch_size};
            },
            nb::kw_only(), "num_qo_heads"_a = d.num_qo_heads, "head_dim"_a = d.head_dim, "page_size"_a = d.page_size,
            "max_q_rows"_a = d.max_q_rows, "max_kv_splits"_a = d.max_kv_splits, "path"_a = d.path,
-           "causal"_a = d.causal, "window_left"_a = d.window_left)
+           "causal"_a = d.causal, "window_left"_a = d.window_left, "cuda_graph"_a = d.cuda_graph,
+           "max_batch_size"_a = d.max_batch_size)
       .def_rw("num_qo_heads", &PagedPrefillConfig::num_qo_heads)
       .def_rw("head_dim", &PagedPrefillConfig::head_dim)
       .def_rw("page_size", &PagedPrefillConfig::page_size)
@@ -82,7 +85,10 @@ void bind_prefill_paged(nb::module_& m) {
       .def_rw("max_kv_splits", &PagedPrefillConfig::max_kv_splits)
       .def_rw("path", &PagedPrefillConfig::path)
       .def_rw("causal", &PagedPrefillConfig::causal, "the mask run() will take (plan()'s cost estimate only)")
-      .def_rw("window_left", &PagedPrefillConfig::window_left);
+      .def_rw("window_left", &PagedPrefillConfig::window_left)
+      .def_rw("cuda_graph", &PagedPrefillConfig::cuda_graph,
+              "run() may be captured into a CUDA graph (fixed grids reading the step plan() copied)")
+      .def_rw("max_batch_size", &PagedPrefillConfig::max_batch_size, "requests per step, at most (cuda_graph)");
   nb::class_<PagedPrefillPlanInfo>(m, "PagedPrefillPlanInfo", "What BatchPrefillPaged::plan decided.")
       .def_ro("kv_splits", &PagedPrefillPlanInfo::kv_splits)
       .def_ro("query_tiles", &PagedPrefillPlanInfo::query_tiles)
@@ -93,7 +99,8 @@ void bind_prefill_paged(nb::module_& m) {
   nb::class_<PagedPrefiller>(m, "PagedPrefiller", "tessera::BatchPrefillPaged over a workspace tensor.")
       .def(nb::init<const PagedPrefillConfig&, nb::handle>(), "config"_a, "workspace"_a)
       .def("plan", &PagedPrefiller::plan, "host_qo_indptr"_a, "kv_indptr"_a, "kv_indices"_a, "kv_last_page_len"_a,
-           "host_kv_indptr"_a.none(), "host_kv_indices"_a.none(), "host_kv_last_page_len"_a.none())
+           "host_kv_indptr"_a.none(), "host_kv_indices"_a.none(), "host_kv_last_page_len"_a.none(), "num_pages"_a,
+           "stream"_a)
       .def("run", &PagedPrefiller::run, "q"_a, "qo_indptr"_a, "host_qo_indptr"_a.none(), "k_pages"_a,
            "v_pages"_a.none(), "layout"_a, "kv_indptr"_a, "kv_indices"_a, "kv_last_page_len"_a,
            "host_kv_indptr"_a.none(), "host_kv_indices"_a.none(), "host_kv_last_page_len"_a.none(), "o"_a,

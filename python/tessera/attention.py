@@ -145,8 +145,12 @@ class BatchPrefillPaged:
     split too, its count from that family's cost model (the config's causal / window_left are the
     mask that estimate assumes; run() applies its own arguments'); elsewhere the portable family
     splits (last_plan().path / kv_splits / estimated_us say what was chosen). The workspace
-    (paged_prefill_workspace_bytes(config) bytes) is allocated unless one is given. Not yet CUDA-graph
-    capturable.
+    (paged_prefill_workspace_bytes(config) bytes) is allocated unless one is given.
+
+    CUDA graphs: with PagedPrefillConfig(cuda_graph=True, max_batch_size=...), plan() copies the
+    step into the workspace on its stream and run() launches fixed grids that read it, so a run()
+    captured once replays any later planned step (q, o, lse, the pages and kv_indices keep their
+    addresses; once captured, plan() needs num_pages). See tessera::BatchPrefillPaged.
     """
 
     def __init__(self, config: Any, workspace: Optional[Any] = None, device: Optional[int] = None) -> None:
@@ -155,12 +159,17 @@ class BatchPrefillPaged:
             dev = _ext.current_device() if device is None else device
             workspace = _ext.empty([max((nbytes + 3) // 4, 64)], _ext.DType.INT32, max(dev, 0))
         self.config = config
+        self._workspace = workspace
         self._impl = _ext.PagedPrefiller(config, workspace)
 
     def plan(self, host_qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any, *,
              host_kv_indptr: Optional[Any] = None, host_kv_indices: Optional[Any] = None,
-             host_kv_last_page_len: Optional[Any] = None) -> Any:
-        """Decides the step's split from the host copies; returns last_plan()."""
+             host_kv_last_page_len: Optional[Any] = None, num_pages: Optional[int] = None,
+             stream: Optional[Any] = None) -> Any:
+        """Decides the step's split from the host copies; returns last_plan(). num_pages (the
+        cache's pages) has every page id checked here (required once a cuda_graph run() was
+        captured); stream: where a cuda_graph config copies the step (default: PyTorch's current
+        stream for a torch workspace, else the default stream)."""
         entry = "BatchPrefillPaged::plan"
 
         def both(name: str, given: Any, host: Optional[Any]) -> Tuple[Any, Any]:
@@ -173,7 +182,8 @@ class BatchPrefillPaged:
         indptr, indptr_host = both("kv_indptr", kv_indptr, host_kv_indptr)
         indices, indices_host = both("kv_indices", kv_indices, host_kv_indices)
         last, last_host = both("kv_last_page_len", kv_last_page_len, host_kv_last_page_len)
-        self._impl.plan(T.host_array(host_qo_indptr), indptr, indices, last, indptr_host, indices_host, last_host)
+        self._impl.plan(T.host_array(host_qo_indptr), indptr, indices, last, indptr_host, indices_host, last_host,
+                        -1 if num_pages is None else int(num_pages), T.resolve_stream(stream, self._workspace))
         return self._impl.last_plan()
 
     def last_plan(self) -> Any:

@@ -245,6 +245,58 @@ def test_decoder_cuda_graph_replays_later_steps():
         dec.plan(steps[0]["qo"], steps[0]["indptr"], steps[0]["ids"], steps[0]["last"])
 
 
+def test_batch_prefill_paged_cuda_graph_replays_later_steps():
+    """One run() captured in a CUDA graph, replayed for later steps (split and unsplit), each copied
+    into the captured buffers; rows past a step stay as they were."""
+    steps = [decode_problem([700, 300, 2000], [64, 1, 1], hq=8, hkv=2, seed=60),
+             decode_problem([6000], [128], hq=8, hkv=2, seed=61),
+             decode_problem([40, 1000], [40, 3], hq=8, hkv=2, seed=62),
+             decode_problem([30, 20], [30, 20], hq=8, hkv=2, seed=63)]
+    max_rows, ids_cap = 256, 1024
+    num_pages = max(s["num_pages"] for s in steps)
+    cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=128, page_size=16, max_q_rows=max_rows, causal=True,
+                                     cuda_graph=True, max_batch_size=4)
+    prefill = tessera.BatchPrefillPaged(cfg)
+    q_buf = torch.zeros((max_rows, 8, 128), dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros_like(q_buf)
+    cache_buf = torch.zeros((num_pages, 2, 16, 2, 128), dtype=torch.bfloat16, device="cuda")
+    ids_buf = torch.zeros(ids_cap, dtype=torch.int32, device="cuda")
+
+    def load(step):
+        q_buf[:step["q"].shape[0]].copy_(step["q"])
+        cache_buf[:step["kv_cache"].shape[0]].copy_(step["kv_cache"])
+        ids_buf[:len(step["ids"])].copy_(torch.from_numpy(step["ids"]))
+        return prefill.plan(step["qo"], step["indptr"], step["ids"], step["last"], num_pages=num_pages)
+
+    def run(step, device_arrays):  # the step's arguments over the captured buffers
+        ids_host = np.zeros(ids_cap, np.int32)
+        ids_host[:len(step["ids"])] = step["ids"]
+        qo, indptr, last = device_arrays
+        prefill.run(q_buf, qo, cache_buf, None, indptr, ids_buf, last, host_qo_indptr=step["qo"],
+                    host_kv_indptr=step["indptr"], host_kv_indices=ids_host, host_kv_last_page_len=step["last"],
+                    causal=True, out=out)
+
+    first = steps[0]
+    arrays = tuple(torch.from_numpy(np.asarray(first[name], np.int32)).cuda() for name in ("qo", "indptr", "last"))
+    load(first)
+    run(first, arrays)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(first, arrays)
+    splits = set()
+    for step in steps + [first]:
+        splits.add(load(step).kv_splits > 1)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = step["q"].shape[0]
+        ref.check_rule(host(out[:n]), step["o_ref"], step["naive"], 1e-4, "o")
+        assert torch.isnan(out[n:]).all(), "rows past the step were written"
+    assert True in splits, "no step was split: the merge's replay went untested"
+    with pytest.raises(tessera.Error, match="num_pages"):
+        prefill.plan(first["qo"], first["indptr"], first["ids"], first["last"])
+
+
 # ---- MoE -----------------------------------------------------------------------------------------------
 
 def moe_torch_reference(x, w1, w2, ids, weights):

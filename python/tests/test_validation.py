@@ -547,6 +547,18 @@ def test_batch_prefill_paged_config_rules():
                      field, rule)
 
 
+def test_batch_prefill_paged_cuda_graph_config():
+    cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256,
+                                     cuda_graph=True, max_batch_size=4)
+    assert cfg.cuda_graph is True and cfg.max_batch_size == 4
+    plain = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)
+    # The step's image (header and index arrays) after the partials.
+    assert tessera.paged_prefill_workspace_bytes(cfg) > tessera.paged_prefill_workspace_bytes(plain)
+    cfg.max_batch_size = 0
+    expect_error(lambda: tessera.paged_prefill_workspace_bytes(cfg), "BatchPrefillPaged::workspace_bytes",
+                 "max_batch_size", "with cuda_graph")
+
+
 @requires_no_gpu
 def test_batch_prefill_paged_without_gpu_says_so():
     cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256)

@@ -2,14 +2,19 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "api/paged_prefill_params.h"
 #include "core/arg_check.h"
 #include "core/cuda_check.h"
 #include "dispatch/prefill_dispatch.h"
+#include "format/bsr.h"
+#include "kernels/merge/merge_states.h"
 #include "kernels/attention/sm90/prefill_sm90_launch.h"
 #include "tessera/attention.h"
+#include "plan/prefill_schedule.h"
 #include "plan/prefill_split.h"
 #include "tessera/merge.h"
 
@@ -25,6 +30,40 @@ constexpr int64_t kRowsPerCta = 128;
 constexpr int64_t kMinKeysPerRun = 256;
 constexpr int64_t kTargetCtasPerSm = 4;
 
+// The workspace: the split partials (max_kv_splits > 1), then with cuda_graph the step's image
+// (plan()'s copy): the PrefillStep header, qo_indptr [max_batch + 1], kv_indptr [max_batch + 1],
+// kv_last_page_len [max_batch], and the static schedule (plan/prefill_schedule.h): slot_begin
+// [kMaxPrefillSlots + 1] and the slots' list positions [max_schedule_tiles], int32.
+std::size_t partial_bytes(const PagedPrefillConfig& c) {
+  if (c.max_kv_splits == 1) return 0;
+  const std::size_t states = std::size_t(c.max_kv_splits) * c.max_q_rows * c.num_qo_heads;
+  return states * (std::size_t(c.head_dim) + 1) * sizeof(float);
+}
+struct StepImage {
+  std::size_t offset = 0;  // bytes from the workspace's start (256-byte aligned)
+  std::size_t bytes = 0;
+  std::size_t qo_indptr = 0, kv_indptr = 0, last_page_len = 0, slot_begin = 0, slot_tiles = 0;  // int32 offsets
+  std::size_t max_tiles = 0;  // the schedule's positions, at most
+};
+// Query rows of the smallest tile either family runs (Hopper hd64 takes 192, the others 128).
+constexpr std::size_t kSmallestBlockM = 64;
+StepImage step_image(const PagedPrefillConfig& c) {
+  StepImage im;
+  if (!c.cuda_graph) return im;
+  im.offset = (partial_bytes(c) + 255) / 256 * 256;
+  const std::size_t header = sizeof(kernels::PrefillStep) / sizeof(int32_t);
+  im.qo_indptr = header;
+  im.kv_indptr = im.qo_indptr + std::size_t(c.max_batch_size) + 1;
+  im.last_page_len = im.kv_indptr + std::size_t(c.max_batch_size) + 1;
+  im.slot_begin = im.last_page_len + std::size_t(c.max_batch_size);
+  im.slot_tiles = im.slot_begin + kernels::kMaxPrefillSlots + 1;
+  // Tiles with rows: sum of ceil(qo_len / block_m) <= max_q_rows / block_m + batch, per head and split.
+  im.max_tiles = std::size_t(c.num_qo_heads) * c.max_kv_splits *
+                 ((std::size_t(c.max_q_rows) + kSmallestBlockM - 1) / kSmallestBlockM + c.max_batch_size);
+  im.bytes = (im.slot_tiles + im.max_tiles) * sizeof(int32_t);
+  return im;
+}
+
 void validate_config(const detail::ArgCheck& check, const PagedPrefillConfig& c) {
   TESSERA_REQUIRE(check, c.num_qo_heads >= 1, "num_qo_heads", "must be >= 1");
   TESSERA_REQUIRE(check, c.head_dim >= 8 && c.head_dim % 8 == 0, "head_dim", "must be a positive multiple of 8");
@@ -35,16 +74,100 @@ void validate_config(const detail::ArgCheck& check, const PagedPrefillConfig& c)
                   c.path == AttentionPath::kAuto || c.path == AttentionPath::kPortable || c.path == AttentionPath::kHopper,
                   "path", "must be kAuto, kPortable or kHopper");
   TESSERA_REQUIRE(check, c.window_left >= -1, "window_left", "must be >= -1 (-1: no window)");
+  if (c.cuda_graph) {
+    TESSERA_REQUIRE(check, c.max_batch_size >= 1 && c.max_batch_size <= 65535, "max_batch_size",
+                    "must be in 1..65535 with cuda_graph (it sizes the step's index arrays in the workspace), got " +
+                        std::to_string(c.max_batch_size));
+  } else {
+    TESSERA_REQUIRE(check, c.max_batch_size >= 0, "max_batch_size", "must be >= 0 (0: not bounded)");
+  }
+}
+
+// cuda_graph: grids of a fixed size over the step plan() wrote into the workspace (the index
+// arrays there, not the arguments'), partials laid out for max_kv_splits whatever the step's
+// count, and a merge that reads the step's split count (nothing to merge at 1).
+void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& config, float* workspace,
+                       int planned_splits, const PagedPrefillArgs& a, kernels::PrefillParams& p, AttentionPath path,
+                       cudaStream_t stream) {
+  const bool can_split = config.max_kv_splits > 1;
+  TESSERA_REQUIRE(check, !can_split || a.q.size(0) <= config.max_q_rows, "q",
+                  "has " + std::to_string(a.q.size(0)) + " rows, more than the config's max_q_rows " +
+                      std::to_string(config.max_q_rows) + " (the partials' buffers hold that many)");
+  // The merge's grid-stride loop counts 8-element vectors of o in int32 (as merge_states checks).
+  TESSERA_REQUIRE(check, a.q.size(0) * a.q.size(1) * a.q.size(2) / 8 < (int64_t(1) << 31) - (int64_t(1) << 24), "q",
+                  "too many elements for the split merge of one call");
+  const StepImage layout = step_image(config);
+  unsigned char* const image = reinterpret_cast<unsigned char*>(workspace) + layout.offset;
+  const int32_t* const arrays = reinterpret_cast<const int32_t*>(image);
+  p.step = reinterpret_cast<const kernels::PrefillStep*>(image);
+  p.qo_indptr = arrays + layout.qo_indptr;
+  p.kv_indptr = arrays + layout.kv_indptr;
+  p.kv_last_page_len = arrays + layout.last_page_len;
+  p.slot_begin = arrays + layout.slot_begin;
+  p.slot_tiles = arrays + layout.slot_tiles;
+  // A window no request can exceed excludes nothing (paged_prefill_params judged it by this step's
+  // longest request only).
+  p.window_left = a.window_left >= format::kMaxRowTokens ? -1 : a.window_left;
+  p.kv_splits = planned_splits;  // the host's view only: the kernels read the step's
+  const int64_t rows = a.q.size(0), heads = a.q.size(1), d = a.q.size(2);
+  if (can_split) {
+    p.partial_o = workspace;
+    p.partial_lse = workspace + int64_t(config.max_kv_splits) * rows * heads * d;
+  }
+  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream);
+  if (!can_split) return;
+  // Partials [split, row, head, d] read as the merge's stacked [row, split, head, d].
+  kernels::MergeStatesParams m;
+  m.num_states = config.max_kv_splits;
+  m.stacked = true;
+  m.o_base[0] = p.partial_o;
+  m.s_base[0] = p.partial_lse;
+  m.o_row[0] = heads * d;
+  m.o_part = rows * heads * d;
+  m.o_head[0] = d;
+  m.s_row[0] = heads;
+  m.s_part = rows * heads;
+  m.s_head[0] = 1;
+  m.o_out = a.o.data;
+  m.o_out_row = a.o.stride[0];
+  m.o_out_head = a.o.stride[1];
+  if (!a.lse.empty_view()) {
+    m.s_out = static_cast<float*>(a.lse.data);
+    m.s_out_row = a.lse.stride[0];
+    m.s_out_head = a.lse.stride[1];
+  }
+  m.rows = static_cast<int>(rows);
+  m.heads = static_cast<int>(heads);
+  m.head_dim = static_cast<int>(d);
+  m.step = p.step;
+  kernels::launch_merge_step_states(a.o.dtype, m, stream);
 }
 
 }  // namespace
 
+// cuda_graph: the pinned staging buffer of the step's image, the event of its last copy, and the
+// smallest buffers any captured run() was given (what a replay reads without a check).
+struct BatchPrefillPaged::Graph {
+  void* staging = nullptr;
+  cudaEvent_t copied = nullptr;
+  AttentionPath family = AttentionPath::kAuto;  // the family the last schedule was made for
+  std::vector<int64_t> scratch;                 // the scheduler's
+  plan::PrefillScheduleResult schedule;
+  bool captured = false;
+  int64_t q_rows = INT64_MAX, kv_indices_len = INT64_MAX, cache_pages = INT64_MAX;
+  ~Graph() {
+    if (copied) cudaEventDestroy(copied);
+    if (staging) cudaFreeHost(staging);
+  }
+};
+
+BatchPrefillPaged::~BatchPrefillPaged() = default;
+
 std::size_t BatchPrefillPaged::workspace_bytes(const PagedPrefillConfig& config) {
   const detail::ArgCheck check("BatchPrefillPaged::workspace_bytes");
   validate_config(check, config);
-  if (config.max_kv_splits == 1) return 0;
-  const std::size_t states = std::size_t(config.max_kv_splits) * config.max_q_rows * config.num_qo_heads;
-  return states * (std::size_t(config.head_dim) + 1) * sizeof(float);
+  const StepImage image = step_image(config);
+  return config.cuda_graph ? image.offset + image.bytes : partial_bytes(config);
 }
 
 BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* workspace, std::size_t workspace_size)
@@ -75,10 +198,28 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
       config.path, cc_major, cc_minor, dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16,
       config.head_dim, problem);
   hopper_reads_pages_ = family.ok && family.path == AttentionPath::kHopper;
+  if (config.cuda_graph) {
+    cudaPointerAttributes attr{};
+    const bool device_memory = cudaPointerGetAttributes(&attr, workspace) == cudaSuccess &&
+                               (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
+    cudaGetLastError();
+    TESSERA_REQUIRE(check, device_memory, "workspace", "must be device memory (cudaMalloc) with cuda_graph");
+    graph_ = std::make_unique<Graph>();
+    TESSERA_CUDA_CHECK(cudaMallocHost(&graph_->staging, step_image(config).bytes));
+    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&graph_->copied, cudaEventDisableTiming));
+  }
 }
 
-void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& table) {
+void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream,
+                             int64_t num_pages) {
   const detail::ArgCheck check("BatchPrefillPaged::plan");
+  if (graph_) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    TESSERA_REQUIRE(check, capturing == cudaStreamCaptureStatusNone, "stream",
+                    "is being captured into a CUDA graph: call plan() outside the graph, before each replay "
+                    "(it copies the step from host memory)");
+  }
   TESSERA_REQUIRE(check, host_qo_indptr != nullptr, "host_qo_indptr", "is required");
   TESSERA_REQUIRE(check, table.host_indptr != nullptr && table.host_last_page_len != nullptr, "kv_indptr",
                   "the host copies of kv_indptr and kv_last_page_len are required");
@@ -86,6 +227,43 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                   "must be 1-D with batch_size + 1 >= 1 entries");
   const int64_t batch = table.batch_size();
   check.indptr_host(host_qo_indptr, batch + 1, "qo_indptr", config_.max_q_rows, /*exact_end=*/false);
+  TESSERA_REQUIRE(check, num_pages >= -1, "num_pages", "must be >= 0 (the cache's pages) or -1 (not given)");
+  const format::BsrLayout kv = format::bsr_from_page_table(config_.page_size, static_cast<int32_t>(batch),
+                                                           table.host_indptr, table.host_indices,
+                                                           table.host_last_page_len);
+  if (num_pages >= 0) {
+    TESSERA_REQUIRE(check, table.host_indices != nullptr, "host_indices",
+                    "is required with num_pages (the page ids are checked against it)");
+  }
+  const std::string bad = format::check_bsr(kv, num_pages);
+  if (!bad.empty()) {
+    const format::BsrError e = format::split_bsr_error(bad);
+    check.fail(e.array.c_str(), e.rule);
+  }
+  if (graph_) {
+    // A captured run() replays with the buffers it was captured with and checks nothing: every
+    // later step must fit them and the workspace's index arrays, and its page ids must be checked.
+    TESSERA_REQUIRE(check, batch <= config_.max_batch_size, "kv_indptr",
+                    "batch size " + std::to_string(batch) + " exceeds the config's max_batch_size " +
+                        std::to_string(config_.max_batch_size));
+    for (int32_t r = 0; r < kv.num_rows; ++r) {
+      TESSERA_REQUIRE(check, kv.row_tokens(r) <= format::kMaxRowTokens, "kv_indptr",
+                      "request " + std::to_string(r) + " holds " + std::to_string(kv.row_tokens(r)) +
+                          " tokens; at most 2^31 - 2^16 are supported");
+    }
+    if (graph_->captured) {
+      TESSERA_REQUIRE(check, host_qo_indptr[batch] <= graph_->q_rows, "qo_indptr",
+                      "the step has " + std::to_string(host_qo_indptr[batch]) +
+                          " query rows but the captured run() was given " + std::to_string(graph_->q_rows));
+      TESSERA_REQUIRE(check, table.host_indptr[batch] <= graph_->kv_indices_len, "kv_indptr",
+                      "the step uses " + std::to_string(table.host_indptr[batch]) +
+                          " page-table entries but the captured run() was given " +
+                          std::to_string(graph_->kv_indices_len));
+      TESSERA_REQUIRE(check, num_pages >= 0 && num_pages <= graph_->cache_pages, "num_pages",
+                      "must be given (>= 0) and at most the captured cache's " + std::to_string(graph_->cache_pages) +
+                          " pages once run() was captured: a replay follows the page ids unchecked");
+    }
+  }
   // The grid's query tiles (with rows; portable and Hopper tile heights) and the longest key range
   // a tile can see.
   const int64_t hopper_rows = kernels::sm90::prefill_sm90_block_m(config_.head_dim);
@@ -107,52 +285,99 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // Either family's grid counts every (request, head, query tile of the longest request) times the
   // splits in 31 bits: a split count (forced, or from a batch of many empty requests) that would
   // not fit is cut down.
-  const int64_t grid_tiles =
-      batch * config_.num_qo_heads * ((max_qo + std::min<int64_t>(hopper_rows, kRowsPerCta) - 1) /
-                                      std::min<int64_t>(hopper_rows, kRowsPerCta));
+  const int64_t smallest_rows = int64_t(kSmallestBlockM);  // of any tile shape (the compact hd256 one)
+  const int64_t grid_tiles = batch * config_.num_qo_heads * ((max_qo + smallest_rows - 1) / smallest_rows);
   const int64_t fits = std::max<int64_t>(1, ((int64_t(1) << 31) - 1) / std::max<int64_t>(1, grid_tiles));
   auto capped = [&](int64_t splits) {
     return static_cast<int>(std::max<int64_t>(1, std::min({splits, int64_t(config_.max_kv_splits), fits})));
   };
-  const int forced = dispatch::forced_prefill_kv_splits();
-  if (config_.path == AttentionPath::kHopper || hopper_reads_pages_) {
-    // The Hopper family splits by its cost model (plan/prefill_split.h). A grid of two tiles per
-    // SM or more is never split: the model's gain there is within its error, and the estimate is
-    // skipped (plan time).
-    info_.path = AttentionPath::kHopper;
-    info_.kv_splits = 1;
-    if (forced > 0) {
-      info_.kv_splits = capped(forced);
-    } else if (hopper_tiles < 2 * int64_t(num_sms_) && config_.max_kv_splits > 1) {
-      const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
-      plan::PrefillSplitProblem problem;
-      problem.qo_indptr = host_qo_indptr;
-      problem.kv_indptr = table.host_indptr;
-      problem.last_page_len = table.host_last_page_len;
-      problem.page_size = config_.page_size;
-      problem.batch = batch;
-      problem.num_qo_heads = config_.num_qo_heads;
-      problem.head_dim = config_.head_dim;
-      problem.block_m = tile.block_m;
-      problem.block_n = tile.block_n;
-      problem.causal = config_.causal;
-      problem.window_left = config_.window_left;
-      problem.slots = num_sms_;
-      problem.max_splits = config_.max_kv_splits;
-      const plan::PrefillSplitChoice choice =
-          plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m, config_.page_size));
-      info_.kv_splits = capped(choice.splits);
-      info_.estimated_us = choice.estimated_us;
+  planned_batch_ = batch;
+  // What both planners read of the step (the tile shape and slots are each one's).
+  plan::PrefillTiling tiling;
+  tiling.qo_indptr = host_qo_indptr;
+  tiling.kv_indptr = table.host_indptr;
+  tiling.last_page_len = table.host_last_page_len;
+  tiling.page_size = config_.page_size;
+  tiling.batch = batch;
+  tiling.num_qo_heads = config_.num_qo_heads;
+  tiling.causal = config_.causal;
+  tiling.window_left = config_.window_left;
+  // The split count (info_.kv_splits) and the family it is for (info_.path).
+  [&] {
+    const int forced = dispatch::forced_prefill_kv_splits();
+    if (config_.path == AttentionPath::kHopper || hopper_reads_pages_) {
+      // The Hopper family splits by its cost model (plan/prefill_split.h). A grid of two tiles per
+      // SM or more is never split: the model's gain there is within its error, and the estimate is
+      // skipped (plan time).
+      info_.path = AttentionPath::kHopper;
+      info_.kv_splits = 1;
+      if (forced > 0) {
+        info_.kv_splits = capped(forced);
+      } else if (hopper_tiles < 2 * int64_t(num_sms_) && config_.max_kv_splits > 1) {
+        const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
+        plan::PrefillSplitProblem problem;
+        static_cast<plan::PrefillTiling&>(problem) = tiling;
+        problem.head_dim = config_.head_dim;
+        problem.block_m = tile.block_m;
+        problem.block_n = tile.block_n;
+        problem.slots = num_sms_;
+        problem.max_splits = config_.max_kv_splits;
+        const plan::PrefillSplitChoice choice =
+            plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m, config_.page_size));
+        info_.kv_splits = capped(choice.splits);
+        info_.estimated_us = choice.estimated_us;
+      }
+      if (config_.path != AttentionPath::kHopper && info_.kv_splits == 1) info_.path = config_.path;
+      return;
     }
-    if (config_.path != AttentionPath::kHopper && info_.kv_splits == 1) info_.path = config_.path;
-    return;
+    // The portable family: enough CTAs for kTargetCtasPerSm per SM, each run at least
+    // kMinKeysPerRun keys.
+    const int64_t keys = longest * config_.page_size;
+    const int64_t wanted = tiles > 0 ? (kTargetCtasPerSm * num_sms_ + tiles - 1) / tiles : 1;
+    info_.kv_splits = capped(forced > 0 ? forced : std::min(wanted, keys / kMinKeysPerRun));
+    info_.path = info_.kv_splits > 1 ? AttentionPath::kPortable : config_.path;
+  }();
+  if (!graph_) return;
+  // The step's image: the kernels' PrefillStep and the index arrays they read in place of run()'s.
+  // The staging buffer may still be read by the previous step's copy (long done in a serving loop).
+  TESSERA_CUDA_CHECK(cudaEventSynchronize(graph_->copied));
+  const StepImage layout = step_image(config_);
+  int32_t* image = static_cast<int32_t*>(graph_->staging);
+  // The static schedule, for the family that will run (its tile shape; run() checks it is the one).
+  const bool hopper = config_.path == AttentionPath::kHopper || (config_.path == AttentionPath::kAuto && hopper_reads_pages_);
+  graph_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
+  plan::PrefillScheduleProblem sp;
+  static_cast<plan::PrefillTiling&>(sp) = tiling;
+  if (hopper) {
+    const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
+    sp.block_m = tile.block_m;
+    sp.block_n = tile.block_n;
+  } else {
+    sp.block_m = kernels::prefill_sm80_block_m(config_.head_dim);
+    sp.block_n = 64;  // (costs only)
   }
-  // The portable family: enough CTAs for kTargetCtasPerSm per SM, each run at least
-  // kMinKeysPerRun keys.
-  const int64_t keys = longest * config_.page_size;
-  const int64_t wanted = tiles > 0 ? (kTargetCtasPerSm * num_sms_ + tiles - 1) / tiles : 1;
-  info_.kv_splits = capped(forced > 0 ? forced : std::min(wanted, keys / kMinKeysPerRun));
-  info_.path = info_.kv_splits > 1 ? AttentionPath::kPortable : config_.path;
+  sp.kv_splits = info_.kv_splits;
+  // One slot per CTA the fixed grid holds: the Hopper family one CTA per SM; the portable one
+  // walks slots round-robin over its resident CTAs (two per SM planned).
+  sp.slots = std::min(kernels::kMaxPrefillSlots, hopper ? num_sms_ : 2 * num_sms_);
+  if (plan::prefill_schedule_tiles(sp) > int64_t(layout.max_tiles)) {
+    throw Error("tessera::BatchPrefillPaged::plan: the step's schedule outgrew its workspace (internal error)");
+  }
+  graph_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, graph_->scratch);
+  kernels::PrefillStep step{};
+  step.batch_size = static_cast<int32_t>(batch);
+  step.max_qo_len = static_cast<int32_t>(max_qo);
+  step.kv_splits = info_.kv_splits;
+  step.rows = host_qo_indptr[batch];
+  step.slots = sp.slots;
+  std::memcpy(image, &step, sizeof(step));
+  std::memcpy(image + layout.qo_indptr, host_qo_indptr, sizeof(int32_t) * (batch + 1));
+  std::memcpy(image + layout.kv_indptr, table.host_indptr, sizeof(int32_t) * (batch + 1));
+  std::memcpy(image + layout.last_page_len, table.host_last_page_len, sizeof(int32_t) * batch);
+  const std::size_t bytes = sizeof(int32_t) * (layout.slot_tiles + std::size_t(graph_->schedule.tiles));
+  TESSERA_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<unsigned char*>(workspace_) + layout.offset, image, bytes,
+                                     cudaMemcpyHostToDevice, stream));
+  TESSERA_CUDA_CHECK(cudaEventRecord(graph_->copied, stream));
 }
 
 void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
@@ -170,11 +395,27 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   kernels::PrefillParams p = detail::paged_prefill_params(check, planned, path);
   TESSERA_REQUIRE(check, a.q.size(1) == config_.num_qo_heads && a.q.size(2) == config_.head_dim, "q",
                   "num_qo_heads and head_dim must be the config's");
-  TESSERA_REQUIRE(check, a.host_qo_indptr[p.batch_size] == planned_rows_, "qo_indptr",
-                  "differs from the planned step's (plan() once per step, then run() per layer)");
+  TESSERA_REQUIRE(check, p.batch_size == planned_batch_ && a.host_qo_indptr[p.batch_size] == planned_rows_,
+                  "qo_indptr", "differs from the planned step's (plan() once per step, then run() per layer)");
   TESSERA_REQUIRE(check, a.cache.page_size() == config_.page_size, "k_pages",
                   "page size " + std::to_string(a.cache.page_size()) + " differs from the config's " +
                       std::to_string(config_.page_size));
+  if (graph_) {
+    TESSERA_REQUIRE(check, path == graph_->family, "path",
+                    std::string("runs the ") + attention_path_name(path) + " family for this dtype, but plan() " +
+                        "scheduled the step for the " + attention_path_name(graph_->family) +
+                        " family: with cuda_graph, set the config's path to the family run() takes");
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    launch_fixed_grid(check, config_, workspace_, info_.kv_splits, a, p, path, stream);
+    if (capture != cudaStreamCaptureStatusNone) {  // what later plans must fit
+      graph_->captured = true;
+      graph_->q_rows = std::min(graph_->q_rows, a.q.size(0));
+      graph_->kv_indices_len = std::min(graph_->kv_indices_len, a.table.indices.size(0));
+      graph_->cache_pages = std::min(graph_->cache_pages, a.cache.num_pages());
+    }
+    return;
+  }
   const int64_t splits = info_.kv_splits;
   if (splits == 1) {
     detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);

@@ -19,14 +19,17 @@ namespace kernels {
 #if TESSERA_INST_HD64
 void launch_prefill_sm80_hd64(DType dtype, const PrefillParams& p, bool compact, cudaStream_t stream);
 int prefill_sm80_smem_bytes_hd64(bool compact);
+int prefill_sm80_block_m_hd64(bool compact);
 #endif
 #if TESSERA_INST_HD128
 void launch_prefill_sm80_hd128(DType dtype, const PrefillParams& p, bool compact, cudaStream_t stream);
 int prefill_sm80_smem_bytes_hd128(bool compact);
+int prefill_sm80_block_m_hd128(bool compact);
 #endif
 #if TESSERA_INST_HD256
 void launch_prefill_sm80_hd256(DType dtype, const PrefillParams& p, bool compact, cudaStream_t stream);
 int prefill_sm80_smem_bytes_hd256(bool compact);
+int prefill_sm80_block_m_hd256(bool compact);
 #endif
 
 bool prefill_sm80_compiled(DType dtype, int head_dim) {
@@ -52,7 +55,28 @@ int prefill_sm80_smem_bytes(int head_dim, bool compact) {
     default: return 0;
   }
 }
+int prefill_sm80_block_m(int head_dim, bool compact) {
+  switch (head_dim) {
+#if TESSERA_INST_HD64
+    case 64: return prefill_sm80_block_m_hd64(compact);
+#endif
+#if TESSERA_INST_HD128
+    case 128: return prefill_sm80_block_m_hd128(compact);
+#endif
+#if TESSERA_INST_HD256
+    case 256: return prefill_sm80_block_m_hd256(compact);
+#endif
+    default: return 0;
+  }
+}
+// The default tile shape where the GPU's shared memory per block holds it, else the compact one
+// (hd256 on sm_86 / sm_89).
+bool prefill_sm80_compact(int head_dim) {
+  return prefill_sm80_smem_bytes(head_dim, false) > dispatch::shared_memory_per_block();
+}
 }  // namespace
+
+int prefill_sm80_block_m(int head_dim) { return prefill_sm80_block_m(head_dim, prefill_sm80_compact(head_dim)); }
 
 void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
                          cudaStream_t stream) {
@@ -61,10 +85,9 @@ void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
                 std::to_string(head_dim) + " is not compiled in this build (TESSERA_HEAD_DIMS / "
                 "TESSERA_DTYPES)");
   }
-  // The default tile shape where the GPU's shared memory per block holds it, else the compact one
-  // (hd256 on sm_86 / sm_89); neither fitting is an error, not a launch failure.
+  // Neither tile shape fitting (prefill_sm80_compact) is an error, not a launch failure.
   const int budget = dispatch::shared_memory_per_block();
-  const bool compact = prefill_sm80_smem_bytes(head_dim, false) > budget;
+  const bool compact = prefill_sm80_compact(head_dim);
   if (compact && prefill_sm80_smem_bytes(head_dim, true) > budget) {
     throw Error("tessera: portable prefill at head_dim " + std::to_string(head_dim) + " needs " +
                 std::to_string(prefill_sm80_smem_bytes(head_dim, true)) +
@@ -272,8 +295,16 @@ void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* sched
 
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p, int head_dim,
                                                                 int num_sms) {
-  if (g_schedule_forced.load()) return g_forced_schedule;
   using namespace kernels::sm90;
+  if (p.step != nullptr) {
+    // A fixed-grid launch (a CUDA graph's) walks the plan's schedule (plan/prefill_schedule.h),
+    // whose positions are in this order; a forced schedule does not apply.
+    PrefillSm90Schedule s;
+    s.scheduler = SchedulerKind::kStaticPersistent;
+    s.order = TileOrder::kQueryTilesInner;
+    return s;
+  }
+  if (g_schedule_forced.load()) return g_forced_schedule;
   // Measured on the H200 (notes/prefill_hopper.md, "Schedules"; runs 3-6, which move by up to
   // 10% between runs, so each rule rests on the cases where the runs agree):
   // - causal, hd64 / hd128: a persistent CTA takes a query tile and its mirror (equal cost per

@@ -28,16 +28,14 @@ PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m, int page_s
   return c;
 }
 
-namespace {
-
-// One query tile's KV tiles, as the kernels count them (tile_scheduler_sm90.cuh).
-int64_t kv_tiles_of(const kernels::MaskBand& band, int m0, int block_m, int block_n) {
+int64_t query_tile_kv_tiles(int qo_len, int kv_len, bool causal, int window_left, int m0, int block_m, int block_n) {
+  // A window of kv_len keys or more excludes nothing (and its band arithmetic could overflow int):
+  // none, as the entry points pass it to the kernels.
+  const kernels::MaskBand band{qo_len, kv_len, kv_len - qo_len, causal, window_left >= kv_len ? -1 : window_left};
   const int last_row = std::min(m0 + block_m, band.qo_len) - 1;
   const int begin = band.key_begin(m0), end = band.key_end(last_row);
   return end > begin ? (int64_t(end) + block_n - 1) / block_n - begin / block_n : 0;
 }
-
-}  // namespace
 
 PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const PrefillSplitCost& cost) {
   PrefillSplitChoice best;
@@ -53,11 +51,8 @@ PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const Pre
       // run() rejects a table whose lengths the kernels cannot take; here they only steer the split.
       const int64_t keys = pages <= 0 ? 0 : (pages - 1) * pr.page_size + pr.last_page_len[r];
       const int kv = static_cast<int>(std::clamp<int64_t>(keys, 0, int64_t(1) << 30));
-      // A window of kv keys or more excludes nothing (and its band arithmetic could overflow int):
-      // none, as the entry points pass it to the kernels.
-      const kernels::MaskBand band{qo, kv, kv - qo, pr.causal, pr.window_left >= kv ? -1 : pr.window_left};
       for (int m0 = 0; m0 < qo; m0 += pr.block_m) {
-        const int64_t tiles = kv_tiles_of(band, m0, pr.block_m, pr.block_n);
+        const int64_t tiles = query_tile_kv_tiles(qo, kv, pr.causal, pr.window_left, m0, pr.block_m, pr.block_n);
         const int64_t run = (tiles + splits - 1) / splits;
         longest = std::max(longest, cost.tile_start_us + run * kv_tile_us);
         total += splits * cost.tile_start_us + tiles * kv_tile_us;

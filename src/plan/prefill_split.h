@@ -28,20 +28,25 @@ struct PrefillSplitCost {
 // reading pages of page_size tokens.
 PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m, int page_size);
 
-struct PrefillSplitProblem {
-  // Host copies: qo_indptr [batch + 1]; the page table's indptr [batch + 1] (pages) and
-  // last_page_len [batch] (a request's keys: page_size x (pages - 1) + last_page_len).
+// A paged prefill step's query tiles as the planners see them: host copies of qo_indptr [batch + 1]
+// and the page table's indptr [batch + 1] (pages) and last_page_len [batch] (a request's keys:
+// page_size x (pages - 1) + last_page_len), the kernel's tile, the mask the costs assume and the
+// tiles running at once.
+struct PrefillTiling {
   const int32_t* qo_indptr = nullptr;
   const int32_t* kv_indptr = nullptr;
   const int32_t* last_page_len = nullptr;
   int page_size = 1;
   int64_t batch = 0;
   int num_qo_heads = 0;
-  int head_dim = 0;
   int block_m = 0, block_n = 0;  // the kernel's tile: query rows x keys
   bool causal = false;
   int window_left = -1;
   int slots = 0;                 // work tiles running at once (SMs x CTAs per SM)
+};
+
+struct PrefillSplitProblem : PrefillTiling {
+  int head_dim = 0;
   int max_splits = 1;
 };
 
@@ -52,5 +57,9 @@ struct PrefillSplitChoice {
 };
 
 PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& problem, const PrefillSplitCost& cost);
+
+// The KV tiles of block_n keys that the query tile of rows [m0, m0 + block_m) visits, as the
+// kernels count them (tile_scheduler_sm90.cuh): those meeting the mask band of any of its rows.
+int64_t query_tile_kv_tiles(int qo_len, int kv_len, bool causal, int window_left, int m0, int block_m, int block_n);
 
 }  // namespace tessera::plan

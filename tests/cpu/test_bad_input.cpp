@@ -659,6 +659,33 @@ namespace tessera {
 namespace {
 
 // MoE routing and permutation: each broken rule names its argument, on the host, before any launch.
+// BatchPrefillPaged's config, checked before any GPU call (workspace_bytes): cuda_graph needs
+// max_batch_size (it sizes the step's index arrays and schedule in the workspace), which then
+// adds the step's image to the partials.
+TEST(BadInputPrefillPaged, CudaGraphConfig) {
+  PagedPrefillConfig c;
+  c.num_qo_heads = 8;
+  c.head_dim = 128;
+  c.page_size = 16;
+  c.max_q_rows = 256;
+  const std::size_t plain = BatchPrefillPaged::workspace_bytes(c);
+  c.cuda_graph = true;
+  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); },
+               {"tessera::BatchPrefillPaged::workspace_bytes: argument 'max_batch_size'", "with cuda_graph"});
+  c.max_batch_size = 70000;
+  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "1..65535"});
+  c.max_batch_size = 32;
+  // The step header (8 int32), its three index arrays, the schedule's slot offsets (1025) and its
+  // tiles: heads x splits x (max_q_rows / 64 + max_batch) at most.
+  auto image = [&](std::size_t splits) { return 4 * (8 + 33 + 33 + 32 + 1025 + 8 * splits * (256 / 64 + 32)); };
+  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), (plain + 255) / 256 * 256 + image(16));
+  c.max_kv_splits = 1;  // no partials: the image alone
+  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), image(1));
+  c.cuda_graph = false;
+  c.max_batch_size = -1;
+  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "must be >= 0"});
+}
+
 TEST(BadInputMoe, RouteAndPermute) {
   // A rule validation missed would launch on the fake addresses: on a GPU machine the GPU tests
   // (GpuMoeRoute / GpuMoePermute .ArgumentsAreValidated) cover these with real buffers.

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <functional>
 #include <iterator>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -678,6 +679,179 @@ TEST(GpuPrefillPagedSplit, FullStepsAreNotSplit) {
     if (path == AttentionPath::kHopper || (path == AttentionPath::kAuto && hopper_here)) {
       EXPECT_EQ(prefill.last_plan().kv_splits, 1) << "512 Hopper query tiles fill 132 SMs";
       EXPECT_EQ(prefill.last_plan().path, path);
+    }
+  }
+}
+
+// ---- BatchPrefillPaged with cuda_graph ----------------------------------------------------------------
+// One run() captured into a CUDA graph with one step, replayed for steps of other compositions:
+// other batch sizes, a chunk over a long history (split), prefill chunks beside decode-like
+// requests and empty ones, an empty step, a full prefill (unsplit). Each step's inputs are copied
+// into the captured buffers (q, the pages, kv_indices), as an engine's append would write them.
+// Every replay is checked against the reference, bitwise against an eager run() of the same plan,
+// and for rows past the step left untouched; on each family the GPU runs, over TMA-boxed (16) and
+// gathered (7) pages.
+TEST(GpuPrefillPagedGraph, CapturedRunReplaysAcrossSteps) {
+  TESSERA_REQUIRE_GPU();
+  struct Step {
+    std::vector<int> qo_len, kv_len;
+  };
+  const std::vector<Step> steps = {
+      {{64, 1, 1}, {700, 300, 2000}},                                  // the captured step
+      {{128}, {12000}},                                                // under-fills: split
+      {{300, 97, 1, 0, 5}, {3000, 97, 4096, 10, 5}},                  // mixed, empty requests
+      {{0}, {0}},                                                      // nothing to compute
+      {{512, 512, 384}, {512, 600, 384}},                              // prefill
+      {{1, 1, 1, 1, 1, 1, 1, 1}, {100, 2000, 3000, 1, 64, 65, 4000, 9}},  // decode-like
+      {{64, 1, 1}, {700, 300, 2000}},                                  // the captured step again
+  };
+  struct Geometry {
+    KVLayout layout;
+    int page_size;
+    int head_dim;      // 0: the default compiled one
+    int smem_limit;    // > 0: as a GPU with this much shared memory per block (the compact hd256 tile)
+  };
+  for (const Geometry geo : {Geometry{KVLayout::kNHD, 16, 0, 0}, Geometry{KVLayout::kHND, 7, 0, 0},
+                             Geometry{KVLayout::kNHD, 16, 256, 99 * 1024}}) {
+    PagedCase base;
+    pick_compiled(base.kv.head_dim, base.kv.dtype);
+    if (geo.head_dim != 0) {
+      if (!prefill_compiled(geo.head_dim, base.kv.dtype)) continue;
+      base.kv.head_dim = geo.head_dim;
+    }
+    std::unique_ptr<SharedMemoryLimit> limit;
+    if (geo.smem_limit > 0) limit = std::make_unique<SharedMemoryLimit>(geo.smem_limit);
+    base.kv.layout = geo.layout;
+    base.kv.page_size = geo.page_size;
+    base.kv.num_kv_heads = 2;
+    base.num_qo_heads = 8;
+    base.causal = true;
+    std::vector<std::unique_ptr<PagedProblem>> problems;
+    std::vector<Expected> expected;
+    int64_t max_rows = 1, max_entries = 1, max_k = 2, max_v = 2, max_pages = 1;
+    int max_batch = 1;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      PagedCase c = base;
+      c.qo_len = steps[i].qo_len;
+      c.kv_len = steps[i].kv_len;
+      problems.push_back(std::make_unique<PagedProblem>(c, 500 + static_cast<uint32_t>(i)));
+      const PagedProblem& p = *problems.back();
+      expected.push_back(p.expected());
+      max_rows = std::max(max_rows, p.q.rows);
+      max_entries = std::max<int64_t>(max_entries, p.kv.indices.size());
+      max_pages = std::max(max_pages, p.kv.num_pages);
+      max_k = std::max<int64_t>(max_k, p.kv.k_bits.size());
+      max_v = std::max<int64_t>(max_v, p.kv.v_bits.size());
+      max_batch = std::max(max_batch, static_cast<int>(c.qo_len.size()));
+    }
+    const PagedProblem& first = *problems[0];
+    const int64_t row_stride = first.q.row_stride;
+    // The captured buffers, sized for the largest step.
+    DeviceBuffer gq(size_t(max_rows * row_stride) * 2), go(size_t(max_rows * row_stride) * 2),
+        glse(size_t(max_rows * first.q.heads) * 4), gk(size_t(max_k) * 2), gv(size_t(max_v) * 2),
+        gindices(size_t(max_entries) * 4);
+    gk.poison();
+    gv.poison();
+    auto graph_args = [&](const PagedProblem& p) {
+      PagedPrefillArgs a = p.args();
+      a.q = TensorView::strided(gq.get(), p.dtype(), {max_rows, p.q.heads, p.q.dim}, {row_stride, p.q.dim, 1});
+      a.o = TensorView::strided(go.get(), p.dtype(), {max_rows, p.q.heads, p.q.dim}, {row_stride, p.q.dim, 1});
+      a.lse = TensorView::contiguous(glse.get(), DType::kFP32, {max_rows, p.q.heads});
+      a.cache.k_pages.data = gk.get();
+      a.cache.v_pages.data = gv.get();
+      a.cache.k_pages.shape[0] = max_pages;
+      a.cache.v_pages.shape[0] = max_pages;
+      a.table.indices = TensorView::contiguous(gindices.get(), DType::kInt32, {max_entries});
+      return a;
+    };
+    auto load = [&](const PagedProblem& p, cudaStream_t stream) {  // the step's inputs into the captured buffers
+      ASSERT_EQ(cudaMemcpyAsync(gq.get(), p.dq.get(), size_t(p.q.rows * row_stride) * 2, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(gk.get(), p.dkv.k.get(), p.kv.k_bits.size() * 2, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+      ASSERT_EQ(cudaMemcpyAsync(gv.get(), p.dkv.v.get(), p.kv.v_bits.size() * 2, cudaMemcpyDeviceToDevice, stream), cudaSuccess);
+      if (!p.kv.indices.empty()) {
+        ASSERT_EQ(cudaMemcpyAsync(gindices.get(), p.kv.indices.data(), p.kv.indices.size() * 4, cudaMemcpyHostToDevice,
+                                  stream), cudaSuccess);
+      }
+      ASSERT_EQ(cudaMemsetAsync(go.get(), 0xFF, go.bytes(), stream), cudaSuccess);
+      ASSERT_EQ(cudaMemsetAsync(glse.get(), 0xFF, glse.bytes(), stream), cudaSuccess);
+    };
+    for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
+      if (path == AttentionPath::kHopper && !hopper_unavailable(base.kv.dtype, base.kv.head_dim).empty()) continue;
+      if (path == AttentionPath::kHopper && geo.smem_limit > 0) continue;  // needs more shared memory
+      SCOPED_TRACE(describe(base) + " " + attention_path_name(path) + (geo.smem_limit ? " compact tiles" : ""));
+      PagedPrefillConfig cfg;
+      cfg.num_qo_heads = base.num_qo_heads;
+      cfg.head_dim = base.kv.head_dim;
+      cfg.page_size = base.kv.page_size;
+      cfg.max_q_rows = static_cast<int>(max_rows);
+      cfg.path = path;
+      cfg.causal = true;
+      cfg.cuda_graph = true;
+      cfg.max_batch_size = max_batch;
+      DeviceBuffer ws(BatchPrefillPaged::workspace_bytes(cfg));
+      BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+      cudaStream_t stream = nullptr;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+      struct StreamGuard {
+        cudaStream_t s;
+        ~StreamGuard() { cudaStreamDestroy(s); }
+      } stream_guard{stream};
+
+      const PagedPrefillArgs captured = graph_args(first);
+      load(first, stream);
+      prefill.plan(first.qo_indptr.data(), captured.table, stream, max_pages);
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      prefill.run(captured, stream);
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      struct GraphGuard {
+        cudaGraph_t g;
+        cudaGraphExec_t e;
+        ~GraphGuard() {
+          cudaGraphExecDestroy(e);
+          cudaGraphDestroy(g);
+        }
+      } graph_guard{graph, exec};
+
+      bool saw_split = false, saw_unsplit = false;
+      for (size_t i = 0; i < steps.size(); ++i) {
+        const PagedProblem& p = *problems[i];
+        SCOPED_TRACE("step " + std::to_string(i) + ": qo_len " + list_of(p.c.qo_len) + " kv_len " + list_of(p.c.kv_len));
+        const PagedPrefillArgs a = graph_args(p);
+        load(p, stream);
+        prefill.plan(p.qo_indptr.data(), a.table, stream, max_pages);
+        (prefill.last_plan().kv_splits > 1 ? saw_split : saw_unsplit) = true;
+        ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const OutputShape shape{p.q.rows, p.q.heads, p.q.dim, row_stride, p.dtype()};
+        const Outputs replayed = fetch(go, glse, shape);
+        check_against(replayed, expected[i], "graph replay");
+        ASSERT_EQ(cudaMemsetAsync(go.get(), 0xFF, go.bytes(), stream), cudaSuccess);
+        ASSERT_EQ(cudaMemsetAsync(glse.get(), 0xFF, glse.bytes(), stream), cudaSuccess);
+        prefill.run(a, stream);
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const Outputs eager = fetch(go, glse, shape);
+        EXPECT_TRUE(bitwise_equal(replayed, eager)) << "replay and eager run() differ: " << first_difference(replayed, eager);
+      }
+      EXPECT_TRUE(saw_split && saw_unsplit) << "the steps should include split and unsplit plans";
+
+      // What a replay cannot check, plan() refuses once a run() was captured.
+      const PagedProblem& big = *problems[1];
+      const PagedPrefillArgs a = graph_args(big);
+      expect_error([&] { prefill.plan(big.qo_indptr.data(), a.table, stream); },
+                   {"BatchPrefillPaged::plan", "argument 'num_pages'", "once run() was captured"});
+      expect_error([&] { prefill.plan(big.qo_indptr.data(), a.table, stream, max_pages + 1); },
+                   {"argument 'num_pages'"});
+      std::vector<int32_t> too_many(size_t(max_batch) + 2, 0);
+      std::vector<int32_t> kv_too_many(size_t(max_batch) + 2, 0), last_too_many(size_t(max_batch) + 1, 1);
+      PageTable wide = a.table;
+      wide.indptr = TensorView::contiguous(big.dkv.indptr.get(), DType::kInt32, {max_batch + 2});
+      wide.host_indptr = kv_too_many.data();
+      wide.host_last_page_len = last_too_many.data();
+      expect_error([&] { prefill.plan(too_many.data(), wide, stream, max_pages); },
+                   {"argument 'kv_indptr'", "max_batch_size"});
     }
   }
 }

@@ -8,6 +8,20 @@
 
 namespace tessera::kernels {
 
+// A paged prefill step as plan() wrote it into the workspace (BatchPrefillPaged with cuda_graph):
+// kernels launched with grids of a fixed size read these instead of the launch's own counts, so
+// one captured launch runs whatever step the last plan() describes.
+struct PrefillStep {
+  int32_t batch_size;
+  int32_t max_qo_len;  // sizes the list of query tiles: batch x heads x ceil(max_qo_len / rows a tile)
+  int32_t kv_splits;   // 1: no split; the kernels write O / LSE and the merge does nothing
+  int32_t rows;        // query rows of the step (qo_indptr[batch]): what the merge covers
+  int32_t slots;       // CTA slots of the schedule (plan/prefill_schedule.h)
+  int32_t reserved[3];
+};
+// Slots of a fixed-grid schedule, at most (it sizes the workspace; 2 per SM of a 512-SM GPU).
+constexpr int kMaxPrefillSlots = 1024;
+
 struct PrefillParams {
   // Ragged Q/O [total_q, num_qo_heads, head_dim], K/V [total_kv, num_kv_heads, head_dim] (or pages,
   // see below); element strides of the row and head dims (head_dim is contiguous).
@@ -61,6 +75,13 @@ struct PrefillParams {
   int kv_splits = 1;
   float* partial_o = nullptr;
   float* partial_lse = nullptr;
+  // Fixed-grid launch (BatchPrefillPaged with cuda_graph): batch_size, max_qo_len and kv_splits
+  // come from *step on the device (the fields above hold the capture step's, for the host), and
+  // partial_o / partial_lse are set whether or not the step splits. The plan's static schedule:
+  // slot s runs the list positions slot_tiles[slot_begin[s] .. slot_begin[s + 1]), in order.
+  const PrefillStep* step = nullptr;
+  const int32_t* slot_begin = nullptr;
+  const int32_t* slot_tiles = nullptr;
 };
 
 // Portable (sm_80+) kernel family. dtype: bf16 or fp16; head_dim: 64, 128 or 256 (as compiled,
@@ -70,5 +91,9 @@ void launch_prefill_sm80(DType dtype, int head_dim, const PrefillParams& params,
 
 // Whether the portable family was compiled for (dtype, head_dim).
 bool prefill_sm80_compiled(DType dtype, int head_dim);
+
+// Query rows a CTA of the portable family computes at head_dim on the current GPU (the compact
+// tile shape's where its shared memory asks for that one).
+int prefill_sm80_block_m(int head_dim);
 
 }  // namespace tessera::kernels

@@ -35,14 +35,22 @@ __device__ const TIn* o_ptr(const MergeStatesParams& p, int i, int row, int head
   }
 }
 
-template <bool kStacked, typename TIn, typename TOut>
+// kStepCounts: rows and the state count come from a PrefillStep on the device (a fixed-grid
+// launch of BatchPrefillPaged; a step that does not split merges nothing) instead of p.rows /
+// p.num_states.
+template <bool kStacked, typename TIn, typename TOut, bool kStepCounts = false>
 // 16-bit inputs: at most 64 registers (4 blocks of 256 per SM), since occupancy is what keeps
 // enough bytes in flight (80 registers measured 2.84 TB/s). fp32 inputs move twice the bytes per
 // thread already and would spill under that cap; they get 3 blocks per SM (85 registers).
 __global__ void __launch_bounds__(kThreads, sizeof(TIn) == 2 ? 4 : 3) merge_states_kernel(MergeStatesParams p) {
+  int rows = p.rows, num_states = p.num_states;
+  if constexpr (kStepCounts) {
+    num_states = __ldg(&p.step->kv_splits);
+    rows = num_states > 1 ? __ldg(&p.step->rows) : 0;
+  }
   const int vecs_per_row = p.head_dim / kElemsPerVec;
   const int vecs_per_token = p.heads * vecs_per_row;
-  const int total = p.rows * vecs_per_token;  // < 2^31, checked on the host
+  const int total = rows * vecs_per_token;  // < 2^31, checked on the host (for the step: its rows <= p.rows)
 
   // Warp-uniform loop: every lane runs every iteration, so __syncwarp below is legal. A warp
   // takes kItems runs of 32 consecutive vectors; the host requires head_dim / 8 to divide 32, so
@@ -70,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(TIn) == 2 ? 4 : 3) merge_stat
 
     MergeAccumulator<kElemsPerVec> accum[kItems];
     constexpr int kGroup = kStacked ? 4 : 2;  // states loaded together
-    for (int first = 0; first < p.num_states; first += kGroup) {
+    for (int first = 0; first < num_states; first += kGroup) {
       // Held in the input precision until used: 4 registers per bf16 vector instead of 8.
       float s[kItems][kGroup];
       Vec8<TIn> o[kItems][kGroup];
@@ -78,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(TIn) == 2 ? 4 : 3) merge_stat
       for (int j = 0; j < kItems; ++j) {
 #pragma unroll
         for (int k = 0; k < kGroup; ++k) {
-          const int i = first + k < p.num_states ? first + k : first;  // clamp: stays in bounds
+          const int i = first + k < num_states ? first + k : first;  // clamp: stays in bounds
           s[j][k] = __ldg(lse_ptr<kStacked>(p, i, row[j], head[j]));
           o[j][k] = Vec8<TIn>::load_stream(o_ptr<kStacked, TIn>(p, i, row[j], head[j], col[j]));
         }
@@ -89,7 +97,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(TIn) == 2 ? 4 : 3) merge_stat
         for (int k = 0; k < kGroup; ++k) {
           float of[kElemsPerVec];
           o[j][k].to_float(of);
-          if (first + k < p.num_states) accum[j].add(s[j][k], of);
+          if (first + k < num_states) accum[j].add(s[j][k], of);
         }
       }
     }
@@ -226,6 +234,21 @@ void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+void launch_merge_step_states(DType out_dtype, const MergeStatesParams& params, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int blocks = sms * 8;  // the grid launch_typed takes for large merges
+  if (out_dtype == DType::kBF16) {
+    merge_states_kernel<true, float, __nv_bfloat16, true><<<blocks, kThreads, 0, stream>>>(params);
+  } else if (out_dtype == DType::kFP16) {
+    merge_states_kernel<true, float, __half, true><<<blocks, kThreads, 0, stream>>>(params);
+  } else {
+    merge_states_kernel<true, float, float, true><<<blocks, kThreads, 0, stream>>>(params);
+  }
+  TESSERA_CHECK_LAUNCH();
+}
 
 void launch_merge_states(DType in_dtype, DType out_dtype, const MergeStatesParams& params,
                          cudaStream_t stream) {

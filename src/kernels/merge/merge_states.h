@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "kernels/attention/prefill_params.h"
 #include "tessera/dtype.h"
 #include "tessera/stream.h"
 
@@ -23,11 +24,18 @@ struct MergeStatesParams {
   float* s_out = nullptr;          // may be null
   int64_t o_out_row = 0, o_out_head = 0, s_out_row = 0, s_out_head = 0;
   int rows = 0, heads = 0, head_dim = 0;
+  // launch_merge_step_states only: the step's rows and state count (its kv_splits), read on the
+  // device; rows above is the most the step can have.
+  const PrefillStep* step = nullptr;
 };
 
 // in_dtype: dtype of the input o's; out_dtype: of o_out. Supported pairs: (bf16, bf16),
 // (fp16, fp16), (fp32, fp32), (fp32, bf16), (fp32, fp16). Validated by the caller.
 void launch_merge_states(DType in_dtype, DType out_dtype, const MergeStatesParams& params,
                          cudaStream_t stream);
+
+// A fixed-grid merge of stacked fp32 partials (BatchPrefillPaged with cuda_graph): rows and the
+// state count from params.step on the device; a step with one state merges nothing.
+void launch_merge_step_states(DType out_dtype, const MergeStatesParams& params, cudaStream_t stream);
 
 }  // namespace tessera::kernels

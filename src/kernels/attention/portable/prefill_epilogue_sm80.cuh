@@ -20,11 +20,12 @@ namespace tessera::kernels::sm80 {
 
 // Rows [m0, min(m0 + kBlockM, qo_len)) of the request whose rows start at q_start, for query head
 // `head`. exchange: a pair's floats in shared memory (PrefillConfig::kExchangeBytes).
-template <typename T, typename Config, typename Softmax>
+// kFixedGrid: the list of a fixed-grid launch, whose step splits into list_splits runs.
+template <typename T, typename Config, bool kFixedGrid, typename Softmax>
 __device__ __forceinline__ void prefill_epilogue(const PrefillParams& p, const AccTile<Config::kODims> (&o)[Config::kMTiles],
                                                  Softmax& softmax, const PrefillWarp<Config>& w, float* exchange,
                                                  float log2_scale, int q_start, int qo_len, int head, int m0,
-                                                 int split) {
+                                                 int split, int list_splits) {
   constexpr int kMTiles = Config::kMTiles, kBlockM = Config::kBlockM;
   auto& row_sum = softmax.row_sum;
   T* o_head = static_cast<T*>(p.o) + int64_t(q_start) * p.o_stride_row + head * p.o_stride_head;
@@ -59,7 +60,9 @@ __device__ __forceinline__ void prefill_epilogue(const PrefillParams& p, const A
       const float inv_sum = state_inv_sum(l);
       const int row = m0 + w.tile_row(mt) + w.g + 8 * r;
       if (row >= qo_len) continue;
-      if (p.partial_o != nullptr) {  // a split's partial state (fp32), merged by the caller
+      // A split's partial state (fp32), merged by the caller (a fixed-grid launch: when its step
+      // splits; list_splits is unused otherwise).
+      if (kFixedGrid ? list_splits > 1 : p.partial_o != nullptr) {
         const int64_t state = (int64_t(split) * p.q_rows + q_start + row) * p.num_qo_heads + head;
         float* po = p.partial_o + state * Config::kHeadDim + w.half * Config::kODims;
 #pragma unroll

@@ -24,6 +24,16 @@ struct PrefillWorkTile {
   __device__ __forceinline__ bool has_rows() const { return m0 < qo_len; }
 };
 
+// w.request's rows (checked against q's on the device) and the first row of its query tile m_tile.
+template <int kBlockM>
+__device__ __forceinline__ void locate_rows(const PrefillParams& p, int m_tile, PrefillWorkTile& w) {
+  w.q_start = p.qo_indptr[w.request];
+  w.qo_len = p.qo_indptr[w.request + 1] - w.q_start;
+  TESSERA_DEVICE_CHECK(w.qo_len <= 0 || (w.q_start >= 0 && int64_t(w.q_start) + w.qo_len <= p.q_rows),
+                       "qo_indptr (device copy) reaches past q's rows");
+  w.m0 = m_tile * kBlockM;
+}
+
 template <int kBlockM>
 __device__ __forceinline__ PrefillWorkTile prefill_work_tile(const PrefillParams& p) {
   const bool tiles_last = p.grid_tiles_last;
@@ -34,11 +44,38 @@ __device__ __forceinline__ PrefillWorkTile prefill_work_tile(const PrefillParams
   w.split = slot - m_tile * p.kv_splits;
   w.request = blockIdx.y;
   w.head = tiles_last ? blockIdx.x : blockIdx.z;
-  w.q_start = p.qo_indptr[w.request];
-  w.qo_len = p.qo_indptr[w.request + 1] - w.q_start;
-  TESSERA_DEVICE_CHECK(w.qo_len <= 0 || (w.q_start >= 0 && int64_t(w.q_start) + w.qo_len <= p.q_rows),
-                       "qo_indptr (device copy) reaches past q's rows");
-  w.m0 = m_tile * kBlockM;
+  locate_rows<kBlockM>(p, m_tile, w);
+  return w;
+}
+
+// The list a fixed-grid launch walks (prefill_sm80_step_kernel): the plan's PrefillStep read on
+// the device; a list position is ((request x heads + head) x m_tiles + query tile) x kv_splits +
+// split (plan/prefill_schedule.h), in the order of the plan's schedule.
+struct PrefillStepList {
+  int batch_size, m_tiles, kv_splits, slots;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ PrefillStepList prefill_step_list(const PrefillParams& p) {
+  PrefillStepList l;
+  l.batch_size = __ldg(&p.step->batch_size);
+  l.m_tiles = (__ldg(&p.step->max_qo_len) + kBlockM - 1) / kBlockM;
+  l.kv_splits = __ldg(&p.step->kv_splits);
+  l.slots = __ldg(&p.step->slots);
+  return l;
+}
+
+template <int kBlockM>
+__device__ __forceinline__ PrefillWorkTile prefill_step_work_tile(const PrefillParams& p, const PrefillStepList& l,
+                                                                  int position) {
+  PrefillWorkTile w;
+  const int tile = position / l.kv_splits;
+  w.split = position - tile * l.kv_splits;
+  const int pair = tile / l.m_tiles;  // (request, head)
+  const int m_tile = tile - pair * l.m_tiles;
+  w.request = pair / p.num_qo_heads;
+  w.head = pair - w.request * p.num_qo_heads;
+  locate_rows<kBlockM>(p, m_tile, w);
   return w;
 }
 

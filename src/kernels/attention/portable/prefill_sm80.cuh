@@ -23,7 +23,6 @@
 #include "kernels/attention/portable/prefill_config_sm80.cuh"
 #include "kernels/attention/portable/prefill_epilogue_sm80.cuh"
 #include "kernels/attention/portable/prefill_mainloop_sm80.cuh"
-#include "kernels/attention/portable/prefill_mainloop_sm80.cuh"
 #include "kernels/attention/portable/prefill_scheduler_sm80.cuh"
 #include "kernels/attention/portable/prefill_softmax_sm80.cuh"
 #include "kernels/attention/portable/prefill_warp_sm80.cuh"
@@ -35,16 +34,17 @@ namespace tessera::kernels::sm80 {
 
 using kernels::MaskBand;
 
+// One work tile (with rows): its KV tiles (kv_splits > 1: the tile's run of them) through the
+// mainloop, then the epilogue (partials: a split's fp32 state instead of O / LSE).
 // KV: RaggedKV or PagedKV of kv_source_sm80.cuh, instantiated for this tile shape.
-template <typename T, typename Config, typename Logits, typename KV>
-__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
-    prefill_sm80_kernel(const PrefillParams p) {
+// kFixedGrid: a fixed-grid launch, whose step has list_splits runs (p.kv_splits otherwise; the
+// count is read where it is used, which keeps the one-tile kernel's registers as they were).
+template <typename T, typename Config, typename Logits, typename KV, bool kFixedGrid>
+__device__ __forceinline__ void prefill_sm80_tile(const PrefillParams& p, const PrefillWorkTile& work, int list_splits,
+                                                  unsigned char* smem) {
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kMTiles = Config::kMTiles;
-  const PrefillWorkTile work = prefill_work_tile<kBlockM>(p);
-  if (!work.has_rows()) return;
   const int request = work.request, head = work.head, q_start = work.q_start, qo_len = work.qo_len, m0 = work.m0;
   const int kv_head = head / (p.num_qo_heads / p.num_kv_heads);
-  extern __shared__ __align__(128) unsigned char smem[];
   KV kv(p, request, kv_head, smem + Config::kSmemBytes);
   const int kv_len = kv.kv_len;
   const MaskBand band{qo_len, kv_len, kv_len - qo_len, p.causal, p.window_left};
@@ -69,8 +69,9 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
   const int n_end = band.key_end(last_row);
   int first_tile = n_begin / kBlockN;
   int end_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_tile;
-  if (p.kv_splits > 1) {  // this CTA's run of them (possibly none: it then writes an empty state)
-    const int per_split = (end_tile - first_tile + p.kv_splits - 1) / p.kv_splits;
+  const int kv_splits = kFixedGrid ? list_splits : p.kv_splits;
+  if (kv_splits > 1) {  // this CTA's run of them (possibly none: it then writes an empty state)
+    const int per_split = (end_tile - first_tile + kv_splits - 1) / kv_splits;
     first_tile = min(end_tile, first_tile + work.split * per_split);
     end_tile = min(end_tile, first_tile + per_split);
   }
@@ -110,8 +111,37 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
     mainloop.accumulate(s, o, wp, {p_store, p_load}, {p_own, p_partner});
   }
   cp_async_wait<0>();  // nothing in flight at exit (a CTA with no visible tile still loaded Q)
-  prefill_epilogue<T, Config>(p, o, softmax, wp, exchange, logits.log2_scale, q_start, qo_len, head, m0,
-                              work.split);
+  prefill_epilogue<T, Config, kFixedGrid>(p, o, softmax, wp, exchange, logits.log2_scale, q_start, qo_len, head, m0,
+                                          work.split, list_splits);
+}
+
+// One CTA per work tile, the grid sized to the step (prefill_scheduler_sm80.cuh).
+template <typename T, typename Config, typename Logits, typename KV>
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
+    prefill_sm80_kernel(const PrefillParams p) {
+  const PrefillWorkTile work = prefill_work_tile<Config::kBlockM>(p);
+  if (!work.has_rows()) return;
+  extern __shared__ __align__(128) unsigned char smem[];
+  prefill_sm80_tile<T, Config, Logits, KV, false>(p, work, 0, smem);
+}
+
+// A fixed grid (BatchPrefillPaged with cuda_graph: a graph's launch replays later steps) whose
+// CTAs walk the plan's schedule (plan/prefill_schedule.h): CTA b the slots b, b + gridDim.x, ...,
+// each slot's list positions in order (prefill_step_work_tile decodes them).
+template <typename T, typename Config, typename Logits, typename KV>
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocksPerSM)
+    prefill_sm80_step_kernel(const PrefillParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const PrefillStepList list = prefill_step_list<Config::kBlockM>(p);
+  for (int slot = blockIdx.x; slot < list.slots; slot += gridDim.x) {
+    const int end = __ldg(&p.slot_begin[slot + 1]);
+    for (int cursor = __ldg(&p.slot_begin[slot]); cursor < end; ++cursor) {
+      const PrefillWorkTile work = prefill_step_work_tile<Config::kBlockM>(p, list, __ldg(&p.slot_tiles[cursor]));
+      if (!work.has_rows()) continue;
+      prefill_sm80_tile<T, Config, Logits, KV, true>(p, work, list.kv_splits, smem);
+      __syncthreads();  // the next tile's loads overwrite shared memory this one's epilogue read
+    }
+  }
 }
 
 template <typename T, typename Config, typename Logits, typename KV>
@@ -128,15 +158,38 @@ void launch_prefill_variant(const PrefillParams& p, const dim3& grid, cudaStream
   kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(p);
 }
 
+// The fixed-grid kernel: as many CTAs as fit on the GPU at once.
+template <typename T, typename Config, typename Logits, typename KV>
+void launch_prefill_step_variant(const PrefillParams& p, cudaStream_t stream) {
+  constexpr int kSmemBytes = Config::kSmemBytes + KV::kSmemBytes;
+  auto kernel = prefill_sm80_step_kernel<T, Config, Logits, KV>;
+  static detail::OncePerDevice smem_limit_raised;
+  static int resident_ctas = 0;  // per SM; the same on every device of one kind
+  smem_limit_raised([&] {
+    if (kSmemBytes > 48 * 1024)
+      TESSERA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    TESSERA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident_ctas, kernel, Config::kThreads, kSmemBytes));
+  });
+  int device = 0, sms = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  kernel<<<sms * (resident_ctas > 0 ? resident_ctas : 1), Config::kThreads, kSmemBytes, stream>>>(p);
+}
+
 template <typename T, typename Config>
 void launch_prefill_config(const PrefillParams& p, cudaStream_t stream) {
+  using Paged = PagedKV<T, Config::kBlockN, Config::kHeadDim, Config::kThreads>;
+  if (p.step != nullptr) {  // fixed grid, paged only (BatchPrefillPaged with cuda_graph)
+    if (p.soft_cap > 0.f) launch_prefill_step_variant<T, Config, SoftCappedLogits, Paged>(p, stream);
+    else launch_prefill_step_variant<T, Config, PlainLogits, Paged>(p, stream);
+    return;
+  }
   const int m_tiles = (p.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
   if (m_tiles == 0 || p.batch_size == 0 || p.num_qo_heads == 0) return;
   PrefillParams params = p;
   const dim3 grid = prefill_grid(params, m_tiles);
   constexpr int kHeadDim = Config::kHeadDim;
   using Ragged = RaggedKV<T, Config::kBlockN, kHeadDim, Config::kThreads, Config::kRaggedFullTileCopy>;
-  using Paged = PagedKV<T, Config::kBlockN, kHeadDim, Config::kThreads>;
   if (p.soft_cap > 0.f) {
     if (p.paged) launch_prefill_variant<T, Config, SoftCappedLogits, Paged>(params, grid, stream);
     else launch_prefill_variant<T, Config, SoftCappedLogits, Ragged>(params, grid, stream);

@@ -22,7 +22,9 @@
 
 namespace tessera::kernels::sm90 {
 
-template <typename T, typename Config, typename Logits, typename KV>
+// Scheduler: the list's walk and shape (tile_scheduler_sm90.cuh); here it says whether the
+// epilogue writes split partials.
+template <typename T, typename Config, typename Logits, typename KV, typename Scheduler>
 struct PrefillConsumer {
   static constexpr int kHeadDim = Config::kHeadDim, kBlockN = Config::kBlockN;
   using Smem = PrefillSm90Smem<T, Config, KV::kGroupedTiles>;
@@ -123,7 +125,7 @@ struct PrefillConsumer {
     mul_row(o, inv_sum);
     const int g = lane / 4, t = lane % 4;
     const int first_row = w.m0 + 64 * consumer;
-    if (p.base.partial_o != nullptr) {
+    if (Scheduler::writes_partials(p)) {
       store_partial_state(o, lse, w, first_row);
       return;
     }

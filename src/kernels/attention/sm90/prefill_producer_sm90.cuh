@@ -57,8 +57,8 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     pending.stage = -1;
   };
 
-  for (int position = Scheduler::first(p); position < p.tiles; position = Scheduler::next(p, position)) {
-    const WorkTile w = make_work_tile<kBlockM, kBlockN, KV>(p, position);
+  for (int position = Scheduler::first(p); position < Scheduler::tiles(p); position = Scheduler::next(p, position)) {
+    const WorkTile w = make_work_tile<kBlockM, kBlockN, KV, Scheduler>(p, position);
     // The device's qo_indptr / kv_indptr against the tensors (the host checked its copies); the
     // consumers read the same entries.
     TESSERA_DEVICE_CHECK_QUIET(w.qo_len <= 0 || (w.q_start >= 0 && int64_t(w.q_start) + w.qo_len <= p.base.q_rows),

@@ -63,20 +63,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     if (threadIdx.x < 32 * KV::kProducerWarps) prefill_producer_warp<T, Config, Scheduler, KV>(p, smem);
   } else {
     warpgroup_registers_increase<Config::kConsumerRegisters>();
-    PrefillConsumer<T, Config, Logits, KV> consumer(p, smem, warpgroup - 1);
+    PrefillConsumer<T, Config, Logits, KV, Scheduler> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
     // The next tile's index entries load while this one computes, not at the tile boundary:
     // +0.3-0.5% at every hd128 case, same run (notes/prefill_hopper.md v7). The producer loads its
     // own when it gets there: it runs ahead of the consumers.
     int position = Scheduler::first(p);
     RequestEntries entries{};
-    if (position < p.tiles) entries = load_request_entries<KV::kPaged>(p, request_at(p, position));
-    while (position < p.tiles) {
-      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV>(p, position, entries);
+    if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, position));
+    while (position < Scheduler::tiles(p)) {
+      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
       position = Scheduler::next(p, position);
-      if (kPrefetchEntries && position < p.tiles) entries = load_request_entries<KV::kPaged>(p, request_at(p, position));
+      if (kPrefetchEntries && position < Scheduler::tiles(p))
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, position));
       if (w.has_rows()) consumer.compute(w);
-      if (!kPrefetchEntries && position < p.tiles) entries = load_request_entries<KV::kPaged>(p, request_at(p, position));
+      if (!kPrefetchEntries && position < Scheduler::tiles(p))
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, position));
     }
     consumer.finish_turns();
     consumer.finish_stores();
@@ -99,9 +101,18 @@ void launch_prefill_sm90_variant(const PrefillSm90Params& params, int grid, cuda
   kernel<<<grid, Config::kThreads, kSmemBytes, stream>>>(params);
 }
 
-// The kernel for (logits, scheduler) over the KV source.
+// The kernel for (logits, scheduler) over the KV source. A fixed-grid launch (params.base.step:
+// BatchPrefillPaged with cuda_graph, paged sources only) walks the step's list.
 template <typename T, typename Config, typename KV>
 void launch_prefill_sm90_source(const PrefillSm90Params& params, bool persistent, int grid, cudaStream_t stream) {
+  if constexpr (KV::kPaged) {
+    if (params.base.step != nullptr) {
+      using Step = StepListScheduler<Config::kBlockM>;
+      if (params.base.soft_cap > 0.f) launch_prefill_sm90_variant<T, Config, SoftCappedLogits, Step, KV>(params, grid, stream);
+      else launch_prefill_sm90_variant<T, Config, PlainLogits, Step, KV>(params, grid, stream);
+      return;
+    }
+  }
   if (params.base.soft_cap > 0.f) {
     if (persistent) launch_prefill_sm90_variant<T, Config, SoftCappedLogits, StaticPersistentScheduler, KV>(params, grid, stream);
     else launch_prefill_sm90_variant<T, Config, SoftCappedLogits, SingleTileScheduler, KV>(params, grid, stream);
@@ -116,7 +127,9 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
                          cudaStream_t stream) {
   using Config = PrefillSm90Config<kHeadDim>;
   const int m_tiles = (base.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
-  if (m_tiles == 0 || base.batch_size == 0 || base.num_qo_heads == 0) return;
+  // (A fixed-grid launch runs whatever later step a graph replays, so it launches even when the
+  // step it was made with has no tiles.)
+  if (base.step == nullptr && (m_tiles == 0 || base.batch_size == 0 || base.num_qo_heads == 0)) return;
   PrefillSm90Params params;
   params.base = base;
   params.m_tiles = m_tiles;
@@ -150,11 +163,14 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
     params.v_map = maps.v;
   }
   if constexpr (Config::kStoreOViaSmem) {
-    if (base.partial_o == nullptr) params.o_via_tma = output_tensor_map(dtype_of<T>(), base, kHeadDim, &params.o_map);
+    // A fixed-grid launch has its partials' buffers set for every step; its unsplit steps write O.
+    if (base.partial_o == nullptr || base.step != nullptr)
+      params.o_via_tma = output_tensor_map(dtype_of<T>(), base, kHeadDim, &params.o_map);
   }
   const bool persistent = schedule.scheduler == SchedulerKind::kStaticPersistent;
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
-  const int grid = persistent ? std::min(runs, num_sms) : params.tiles;
+  // Fixed-grid launches: one CTA per slot of the plan's schedule, one slot per SM.
+  const int grid = base.step != nullptr ? num_sms : persistent ? std::min(runs, num_sms) : params.tiles;
   if (params.kv_gathered) {
     launch_prefill_sm90_source<T, Config, GatheredKVSm90<Config::kBlockN, kHeadDim>>(params, persistent, grid, stream);
   } else if (base.paged) {

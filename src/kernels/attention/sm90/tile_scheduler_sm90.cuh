@@ -7,7 +7,14 @@
 //   - StaticPersistentScheduler: one CTA per SM walks positions blockIdx.x, + gridDim.x, ...:
 //     a CTA's next tile loads (Q, the first K / V) while its previous one finishes, but the
 //     assignment is fixed, so balance relies on the order.
-// Both roles of a CTA (producer, consumers) walk the same sequence and decode the same WorkTile.
+//   - StepListScheduler: CTA b walks the plan's static schedule for its slot (plan/
+//     prefill_schedule.h: longest first, balanced by the host), over a list whose shape (batch,
+//     query tiles, KV splits) it reads from the plan's PrefillStep in the workspace, not from its
+//     launch parameters: the launch of a CUDA graph, replayed for steps it was not captured with.
+// A scheduler walks cursors first(p), next(p, c), ... while c < tiles(p); list_position(p, c) is
+// the cursor's list position. It also says what shape the list has (m_tiles, batch_size,
+// kv_splits) and whether the epilogue writes split partials. Both roles of a CTA (producer,
+// consumers) walk the same sequence and decode the same WorkTile.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,12 +41,23 @@ struct WorkTile {
   __device__ int kv_tiles() const { return end_kv_tile - first_kv_tile; }
 };
 
+// The list's shape as the launch parameters give it: an eager launch, sized to its step.
+struct ListShapeFromParams {
+  __device__ static int tiles(const PrefillSm90Params& p) { return p.tiles; }
+  __device__ static int list_position(const PrefillSm90Params& /*p*/, int cursor) { return cursor; }
+  __device__ static int m_tiles(const PrefillSm90Params& p) { return p.m_tiles; }
+  __device__ static int batch_size(const PrefillSm90Params& p) { return p.base.batch_size; }
+  __device__ static int kv_splits(const PrefillSm90Params& p) { return p.base.kv_splits; }
+  __device__ static bool writes_partials(const PrefillSm90Params& p) { return p.base.partial_o != nullptr; }
+};
+
 // position -> (request, head, m_tile). kHeadsInner: every (request, head)'s query tiles
 // consecutive (they share the head's K / V in L2); kHeavyFirst: the position's m_tile counts from
 // the last query tile (for causal masks, the tile with the most keys first).
+template <typename Scheduler>
 __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int position, int& request,
                                                 int& head, int& m_tile) {
-  const int tiles = p.m_tiles;
+  const int tiles = Scheduler::m_tiles(p);
   if (p.order == TileOrder::kQueryTilesInner || p.order == TileOrder::kMirroredPairs) {
     int rest = position / tiles;
     m_tile = position - rest * tiles;
@@ -48,7 +66,7 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
     // The last tile, the first, the second last, the second, ...
     if (p.order == TileOrder::kMirroredPairs) m_tile = m_tile % 2 == 0 ? tiles - 1 - m_tile / 2 : m_tile / 2;
   } else {  // kQueryTilesOuter
-    const int pairs = p.base.batch_size * p.base.num_qo_heads;
+    const int pairs = Scheduler::batch_size(p) * p.base.num_qo_heads;
     m_tile = position / pairs;
     const int rest = position - m_tile * pairs;
     head = rest % p.base.num_qo_heads;
@@ -57,21 +75,25 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
-// The request of list position `position`.
-__device__ __forceinline__ int request_at(const PrefillSm90Params& p, int position) {
+// The request of the tile at `cursor`.
+template <typename Scheduler>
+__device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor) {
+  const int position = Scheduler::list_position(p, cursor);
   int request, head, m_tile;
-  decode_position(p, p.base.kv_splits > 1 ? position / p.base.kv_splits : position, request, head, m_tile);
+  decode_position<Scheduler>(p, Scheduler::kv_splits(p) > 1 ? position / Scheduler::kv_splits(p) : position, request,
+                             head, m_tile);
   return request;
 }
 
-// The tile at list position `position`; `entries` are its request's (load_request_entries).
-template <int kBlockM, int kBlockN, typename KV>
-__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position, const RequestEntries& entries) {
+// The tile at `cursor`; `entries` are its request's (load_request_entries).
+template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor, const RequestEntries& entries) {
+  const int position = Scheduler::list_position(p, cursor);
   WorkTile w;
   int m_tile;
-  const int tile = p.base.kv_splits > 1 ? position / p.base.kv_splits : position;
-  w.split = position - tile * p.base.kv_splits;
-  decode_position(p, tile, w.request, w.head, m_tile);
+  const int tile = Scheduler::kv_splits(p) > 1 ? position / Scheduler::kv_splits(p) : position;
+  w.split = position - tile * Scheduler::kv_splits(p);
+  decode_position<Scheduler>(p, tile, w.request, w.head, m_tile);
   w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
   w.m0 = m_tile * kBlockM;
   w.q_start = warp_uniform(entries.q_begin);
@@ -83,20 +105,21 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   const int n_end = w.band.key_end(last_row);
   w.first_kv_tile = n_begin / kBlockN;
   w.end_kv_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : w.first_kv_tile;
-  if (p.base.kv_splits > 1) {  // the portable family's runs (prefill_sm80.cuh): equal, the last shorter
-    const int per_split = (w.end_kv_tile - w.first_kv_tile + p.base.kv_splits - 1) / p.base.kv_splits;
+  if (Scheduler::kv_splits(p) > 1) {  // the portable family's runs (prefill_sm80.cuh): equal, the last shorter
+    const int per_split = (w.end_kv_tile - w.first_kv_tile + Scheduler::kv_splits(p) - 1) / Scheduler::kv_splits(p);
     w.first_kv_tile = min(w.end_kv_tile, w.first_kv_tile + w.split * per_split);
     w.end_kv_tile = min(w.end_kv_tile, w.first_kv_tile + per_split);
   }
   return w;
 }
 
-template <int kBlockM, int kBlockN, typename KV>
-__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int position) {
-  return make_work_tile<kBlockM, kBlockN, KV>(p, position, load_request_entries<KV::kPaged>(p, request_at(p, position)));
+template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor) {
+  return make_work_tile<kBlockM, kBlockN, KV, Scheduler>(
+      p, cursor, load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, cursor)));
 }
 
-struct SingleTileScheduler {
+struct SingleTileScheduler : ListShapeFromParams {
   __device__ static int first(const PrefillSm90Params& /*p*/) { return blockIdx.x; }
   __device__ static int next(const PrefillSm90Params& /*p*/, int /*position*/) { return 1 << 30; }
 };
@@ -104,11 +127,27 @@ struct SingleTileScheduler {
 // CTA b takes positions in runs of p.run_length: [b r, b r + r), then gridDim.x r further on. With
 // kMirroredPairs and runs of 2, a CTA's two tiles of a run are a query tile and its mirror, whose
 // causal costs add up to the same for every pair.
-struct StaticPersistentScheduler {
+struct StaticPersistentScheduler : ListShapeFromParams {
   __device__ static int first(const PrefillSm90Params& p) { return blockIdx.x * p.run_length; }
   __device__ static int next(const PrefillSm90Params& p, int position) {
     return (position + 1) % p.run_length != 0 ? position + 1 : position + 1 + (gridDim.x - 1) * p.run_length;
   }
+};
+
+// CTA b walks slot b of the plan's static schedule (the grid is the schedule's slots), over the
+// list the plan's PrefillStep describes (order: query tiles inner, as listed; the plan sorted each
+// slot's tiles heaviest first). What the plan wrote is read through the read-only path: its copy
+// finished before the launch.
+template <int kBlockM>
+struct StepListScheduler {
+  __device__ static int first(const PrefillSm90Params& p) { return __ldg(&p.base.slot_begin[blockIdx.x]); }
+  __device__ static int next(const PrefillSm90Params& /*p*/, int cursor) { return cursor + 1; }
+  __device__ static int tiles(const PrefillSm90Params& p) { return __ldg(&p.base.slot_begin[blockIdx.x + 1]); }
+  __device__ static int list_position(const PrefillSm90Params& p, int cursor) { return __ldg(&p.base.slot_tiles[cursor]); }
+  __device__ static int batch_size(const PrefillSm90Params& p) { return __ldg(&p.base.step->batch_size); }
+  __device__ static int m_tiles(const PrefillSm90Params& p) { return (__ldg(&p.base.step->max_qo_len) + kBlockM - 1) / kBlockM; }
+  __device__ static int kv_splits(const PrefillSm90Params& p) { return __ldg(&p.base.step->kv_splits); }
+  __device__ static bool writes_partials(const PrefillSm90Params& p) { return kv_splits(p) > 1; }
 };
 
 }  // namespace tessera::kernels::sm90
