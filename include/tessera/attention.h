@@ -105,7 +105,10 @@ AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args);
 // the same kernels (results bitwise equal to a replay of the same step); against a config without
 // cuda_graph they cost the merge's launch on unsplit steps and the schedule's host time in plan()
 // (notes/prefill_paged.md has both measured), and the family is fixed by the plan: run()'s dtype
-// must take the family plan() scheduled for (set path where the dtype could change it).
+// must take the family plan() scheduled for (set path where the dtype could change it), and its
+// arguments' host index arrays must be the planned ones. plan() and run() share the workspace:
+// issue them on one stream (or order the streams); plan() waits on the host only for its previous
+// copy, not for a run() still reading the step.
 // Not yet: split counts per request (one count per step).
 struct PagedPrefillConfig {
   int num_qo_heads = 0;

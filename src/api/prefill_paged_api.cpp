@@ -150,6 +150,7 @@ void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& 
 struct BatchPrefillPaged::Graph {
   void* staging = nullptr;
   cudaEvent_t copied = nullptr;
+  int device = -1;                              // the GPU the grids and schedule are for
   AttentionPath family = AttentionPath::kAuto;  // the family the last schedule was made for
   std::vector<int64_t> scratch;                 // the scheduler's
   plan::PrefillScheduleResult schedule;
@@ -205,6 +206,7 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
     cudaGetLastError();
     TESSERA_REQUIRE(check, device_memory, "workspace", "must be device memory (cudaMalloc) with cuda_graph");
     graph_ = std::make_unique<Graph>();
+    graph_->device = device;
     TESSERA_CUDA_CHECK(cudaMallocHost(&graph_->staging, step_image(config).bytes));
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&graph_->copied, cudaEventDisableTiming));
   }
@@ -213,7 +215,13 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
 void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream,
                              int64_t num_pages) {
   const detail::ArgCheck check("BatchPrefillPaged::plan");
+  planned_ = false;  // until this plan is complete: a plan() that throws leaves none for run()
   if (graph_) {
+    int device = -1;
+    TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+    TESSERA_REQUIRE(check, device == graph_->device, "device",
+                    "the current device " + std::to_string(device) + " is not the one this BatchPrefillPaged was made on (" +
+                        std::to_string(graph_->device) + "): its fixed grids and schedule are that GPU's");
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     TESSERA_REQUIRE(check, capturing == cudaStreamCaptureStatusNone, "stream",
@@ -280,7 +288,6 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   hopper_tiles *= config_.num_qo_heads;
   info_.query_tiles = tiles;
   info_.estimated_us = 0.0;
-  planned_ = true;
   planned_rows_ = host_qo_indptr[batch];
   // Either family's grid counts every (request, head, query tile of the longest request) times the
   // splits in 31 bits: a split count (forced, or from a batch of many empty requests) that would
@@ -337,7 +344,10 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     info_.kv_splits = capped(forced > 0 ? forced : std::min(wanted, keys / kMinKeysPerRun));
     info_.path = info_.kv_splits > 1 ? AttentionPath::kPortable : config_.path;
   }();
-  if (!graph_) return;
+  if (!graph_) {
+    planned_ = true;
+    return;
+  }
   // The step's image: the kernels' PrefillStep and the index arrays they read in place of run()'s.
   // The staging buffer may still be read by the previous step's copy (long done in a serving loop).
   TESSERA_CUDA_CHECK(cudaEventSynchronize(graph_->copied));
@@ -356,7 +366,17 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     sp.block_m = kernels::prefill_sm80_block_m(config_.head_dim);
     sp.block_n = 64;  // (costs only)
   }
+  TESSERA_REQUIRE(check, sp.block_m > 0, "head_dim",
+                  std::to_string(config_.head_dim) + " is not compiled for the " + attention_path_name(graph_->family) +
+                      " family in this build");
   sp.kv_splits = info_.kv_splits;
+  // The kernels decode list positions ((request x heads + head) x m_tiles + m_tile) x splits + split
+  // in int32.
+  const int64_t positions = batch * config_.num_qo_heads * ((max_qo + sp.block_m - 1) / sp.block_m) * sp.kv_splits;
+  TESSERA_REQUIRE(check, positions < (int64_t(1) << 31), "qo_indptr",
+                  "the step's " + std::to_string(batch) + " requests x " + std::to_string(config_.num_qo_heads) +
+                      " heads x query tiles of the longest request x splits make " + std::to_string(positions) +
+                      " list positions; the fixed-grid kernels take < 2^31");
   // One slot per CTA the fixed grid holds: the Hopper family one CTA per SM; the portable one
   // walks slots round-robin over its resident CTAs (two per SM planned).
   sp.slots = std::min(kernels::kMaxPrefillSlots, hopper ? num_sms_ : 2 * num_sms_);
@@ -378,6 +398,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   TESSERA_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<unsigned char*>(workspace_) + layout.offset, image, bytes,
                                      cudaMemcpyHostToDevice, stream));
   TESSERA_CUDA_CHECK(cudaEventRecord(graph_->copied, stream));
+  planned_ = true;
 }
 
 void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
@@ -401,6 +422,28 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
                   "page size " + std::to_string(a.cache.page_size()) + " differs from the config's " +
                       std::to_string(config_.page_size));
   if (graph_) {
+    // The kernels read the planned index arrays with the arguments' kv_indices and cache, which
+    // run()'s checks above validated against the arguments' host copies: those must be the plan's.
+    int device = -1;
+    TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+    TESSERA_REQUIRE(check, device == graph_->device, "device",
+                    "the current device " + std::to_string(device) + " is not the one this BatchPrefillPaged was made on (" +
+                        std::to_string(graph_->device) + ")");
+    const StepImage layout = step_image(config_);
+    const int32_t* planned_image = static_cast<const int32_t*>(graph_->staging);
+    auto same = [&](const int32_t* given, std::size_t at, int64_t count) {
+      return count == 0 || std::memcmp(given, planned_image + at, sizeof(int32_t) * std::size_t(count)) == 0;
+    };
+    TESSERA_REQUIRE(check, same(a.host_qo_indptr, layout.qo_indptr, planned_batch_ + 1), "qo_indptr",
+                    "differs from the planned step's (with cuda_graph, run() takes the step plan() saw)");
+    TESSERA_REQUIRE(check, same(a.table.host_indptr, layout.kv_indptr, planned_batch_ + 1), "kv_indptr",
+                    "differs from the planned step's (with cuda_graph, run() takes the step plan() saw)");
+    TESSERA_REQUIRE(check, same(a.table.host_last_page_len, layout.last_page_len, planned_batch_), "kv_last_page_len",
+                    "differs from the planned step's (with cuda_graph, run() takes the step plan() saw)");
+    // A window of 2^31 - 2^16 keys or more excludes nothing (no request is longer); a slightly
+    // smaller one could overflow the band's int32 arithmetic over a step's rows.
+    TESSERA_REQUIRE(check, a.window_left < format::kMaxRowTokens - config_.max_q_rows || a.window_left >= format::kMaxRowTokens,
+                    "window_left", "with cuda_graph must be below 2^31 - 2^16 - max_q_rows, or 2^31 - 2^16 or more (none)");
     TESSERA_REQUIRE(check, path == graph_->family, "path",
                     std::string("runs the ") + attention_path_name(path) + " family for this dtype, but plan() " +
                         "scheduled the step for the " + attention_path_name(graph_->family) +

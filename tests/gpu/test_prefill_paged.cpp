@@ -837,6 +837,16 @@ TEST(GpuPrefillPagedGraph, CapturedRunReplaysAcrossSteps) {
       }
       EXPECT_TRUE(saw_split && saw_unsplit) << "the steps should include split and unsplit plans";
 
+      // run() takes the step plan() saw: its kernels read the planned index arrays.
+      {
+        const PagedProblem& planned = *problems.back();
+        PagedPrefillArgs other = graph_args(planned);
+        std::vector<int32_t> last = planned.kv.last_page_len;
+        last[0] = last[0] == base.kv.page_size ? 1 : last[0] + 1;  // another valid table
+        other.table.host_last_page_len = last.data();
+        expect_error([&] { prefill.run(other, stream); },
+                     {"BatchPrefillPaged::run", "argument 'kv_last_page_len'", "planned step"});
+      }
       // What a replay cannot check, plan() refuses once a run() was captured.
       const PagedProblem& big = *problems[1];
       const PagedPrefillArgs a = graph_args(big);
