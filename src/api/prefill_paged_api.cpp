@@ -156,6 +156,14 @@ struct BatchPrefillPaged::Graph {
   plan::PrefillScheduleResult schedule;
   bool captured = false;
   int64_t q_rows = INT64_MAX, kv_indices_len = INT64_MAX, cache_pages = INT64_MAX;
+  // The fixed grids and the schedule are for the GPU the object was made on.
+  void require_device(const detail::ArgCheck& check) const {
+    int current = -1;
+    TESSERA_CUDA_CHECK(cudaGetDevice(&current));
+    TESSERA_REQUIRE(check, current == device, "device",
+                    "the current device " + std::to_string(current) + " is not the one this BatchPrefillPaged was made on (" +
+                        std::to_string(device) + "): its fixed grids and schedule are that GPU's");
+  }
   ~Graph() {
     if (copied) cudaEventDestroy(copied);
     if (staging) cudaFreeHost(staging);
@@ -217,11 +225,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   const detail::ArgCheck check("BatchPrefillPaged::plan");
   planned_ = false;  // until this plan is complete: a plan() that throws leaves none for run()
   if (graph_) {
-    int device = -1;
-    TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-    TESSERA_REQUIRE(check, device == graph_->device, "device",
-                    "the current device " + std::to_string(device) + " is not the one this BatchPrefillPaged was made on (" +
-                        std::to_string(graph_->device) + "): its fixed grids and schedule are that GPU's");
+    graph_->require_device(check);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     TESSERA_REQUIRE(check, capturing == cudaStreamCaptureStatusNone, "stream",
@@ -309,10 +313,13 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   tiling.num_qo_heads = config_.num_qo_heads;
   tiling.causal = config_.causal;
   tiling.window_left = config_.window_left;
+  // The family the step is planned for: the Hopper one where it reads this config's pages (or is
+  // forced), else the portable one.
+  const bool hopper_plans = config_.path == AttentionPath::kHopper || hopper_reads_pages_;
   // The split count (info_.kv_splits) and the family it is for (info_.path).
   [&] {
     const int forced = dispatch::forced_prefill_kv_splits();
-    if (config_.path == AttentionPath::kHopper || hopper_reads_pages_) {
+    if (hopper_plans) {
       // The Hopper family splits by its cost model (plan/prefill_split.h). A grid of two tiles per
       // SM or more is never split: the model's gain there is within its error, and the estimate is
       // skipped (plan time).
@@ -354,7 +361,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   const StepImage layout = step_image(config_);
   int32_t* image = static_cast<int32_t*>(graph_->staging);
   // The static schedule, for the family that will run (its tile shape; run() checks it is the one).
-  const bool hopper = config_.path == AttentionPath::kHopper || (config_.path == AttentionPath::kAuto && hopper_reads_pages_);
+  const bool hopper = hopper_plans;
   graph_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
   plan::PrefillScheduleProblem sp;
   static_cast<plan::PrefillTiling&>(sp) = tiling;
@@ -424,11 +431,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   if (graph_) {
     // The kernels read the planned index arrays with the arguments' kv_indices and cache, which
     // run()'s checks above validated against the arguments' host copies: those must be the plan's.
-    int device = -1;
-    TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-    TESSERA_REQUIRE(check, device == graph_->device, "device",
-                    "the current device " + std::to_string(device) + " is not the one this BatchPrefillPaged was made on (" +
-                        std::to_string(graph_->device) + ")");
+    graph_->require_device(check);
     const StepImage layout = step_image(config_);
     const int32_t* planned_image = static_cast<const int32_t*>(graph_->staging);
     auto same = [&](const int32_t* given, std::size_t at, int64_t count) {

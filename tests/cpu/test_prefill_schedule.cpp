@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/prefill_batch.h"
 #include "plan/prefill_schedule.h"
 #include "plan/prefill_split.h"
 
@@ -17,16 +18,7 @@ using namespace tessera::plan;
 
 namespace {
 
-struct Batch {
-  std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, last;
-  void add(int32_t qo, int32_t kv, int32_t page = 16) {
-    qo_indptr.push_back(qo_indptr.back() + qo);
-    const int32_t pages = (kv + page - 1) / page;
-    kv_indptr.push_back(kv_indptr.back() + pages);
-    last.push_back(pages ? kv - (pages - 1) * page : 0);
-  }
-  int64_t size() const { return static_cast<int64_t>(last.size()); }
-};
+using Batch = tessera::testing::PrefillBatch;
 
 struct Scheduled {
   std::vector<int32_t> slot_begin, positions;

@@ -8,21 +8,14 @@
 #include <random>
 #include <vector>
 
+#include "common/prefill_batch.h"
 #include "plan/prefill_split.h"
 
 using namespace tessera::plan;
 
 namespace {
 
-struct Batch {
-  std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, last;
-  void add(int32_t qo, int32_t kv, int32_t page = 16) {
-    qo_indptr.push_back(qo_indptr.back() + qo);
-    const int32_t pages = (kv + page - 1) / page;
-    kv_indptr.push_back(kv_indptr.back() + pages);
-    last.push_back(pages ? kv - (pages - 1) * page : 0);
-  }
-};
+using Batch = tessera::testing::PrefillBatch;
 
 // hd128 on the H200: 128 x 128 tiles, 132 SMs.
 PrefillSplitChoice choose(const Batch& b, int heads, bool causal = true, int max_splits = 16, int window = -1) {

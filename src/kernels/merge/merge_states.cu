@@ -206,13 +206,19 @@ __global__ void __launch_bounds__(kThreads, 4) merge_two_states_kernel(MergeStat
   }
 }
 
+// SMs of the current device (the grids are a few blocks per SM).
+int multiprocessors() {
+  int device = 0, sms = 0;
+  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
+  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 template <typename TIn, typename TOut>
 void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
   const int64_t total = int64_t(p.rows) * p.heads * (p.head_dim / kElemsPerVec);
   if (total == 0) return;
-  int device = 0, sms = 0;
-  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = multiprocessors();
   const int items_per_thread = p.stacked ? 1 : 2;  // kItems of the kernel
   const int64_t wanted = (total + kThreads * items_per_thread - 1) / (kThreads * items_per_thread);
   const int blocks = static_cast<int>(wanted < int64_t(sms) * 8 ? wanted : int64_t(sms) * 8);
@@ -236,9 +242,7 @@ void launch_typed(const MergeStatesParams& p, cudaStream_t stream) {
 }  // namespace
 
 void launch_merge_step_states(DType out_dtype, const MergeStatesParams& params, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  TESSERA_CUDA_CHECK(cudaGetDevice(&device));
-  TESSERA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = multiprocessors();
   const int blocks = sms * 8;  // the grid launch_typed takes for large merges
   if (out_dtype == DType::kBF16) {
     merge_states_kernel<true, float, __nv_bfloat16, true><<<blocks, kThreads, 0, stream>>>(params);
