@@ -639,6 +639,8 @@ int bench_prefill_plan(const Args& a) {
   // family; scheduler=... the Hopper schedule (force_schedule_if_asked). cuda_graph=true: the
   // config's fixed-grid kernels (what a captured run() replays), timed as eager run()s over the
   // rotated inputs (a replay runs the same kernels; it saves only the launches).
+  // max_batch_size=N (default: the batch, as an engine configures it): the config's bound, which
+  // lets eager plans put non-uniform steps on the fixed grid; max_batch_size=0: the one-tile grid.
   const bool use_split = arg_int(a, "split", "1") != 0;
   const bool fixed_grid = arg(a, "cuda_graph", "false") == "true";
   dispatch::force_prefill_kv_splits(static_cast<int>(arg_int(a, "kv_splits", "0")));
@@ -652,7 +654,7 @@ int bench_prefill_plan(const Args& a) {
   pcfg.causal = causal;
   if (a.count("path")) pcfg.path = arg(a, "path") == "hopper" ? AttentionPath::kHopper : AttentionPath::kPortable;
   pcfg.cuda_graph = fixed_grid;
-  pcfg.max_batch_size = fixed_grid ? batch : 0;
+  pcfg.max_batch_size = static_cast<int>(arg_int(a, "max_batch_size", std::to_string(batch).c_str()));
   Buffer split_ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(pcfg), 256));
   BatchPrefillPaged prefill(pcfg, split_ws.get(), split_ws.bytes());
   // plan()'s host time: median of 50 calls on the same step (with cuda_graph: the schedule and
@@ -686,12 +688,14 @@ int bench_prefill_plan(const Args& a) {
   std::printf("{\"suite\": \"prefill_plan\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", "
               "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
               "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d, "
-              "\"plan_path\": \"%s\", \"estimated_us\": %.1f, \"cuda_graph\": %s, \"plan_us\": %.1f}\n",
+              "\"plan_path\": \"%s\", \"estimated_us\": %.1f, \"cuda_graph\": %s, \"plan_us\": %.1f, "
+              "\"max_batch_size\": %d, \"fixed_grid\": %s}\n",
               arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
               static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout),
               use_split ? prefill.last_plan().kv_splits : 1,
               attention_path_name(use_split ? prefill.last_plan().path : AttentionPath::kAuto),
-              use_split ? prefill.last_plan().estimated_us : 0.0, fixed_grid ? "true" : "false", plan_us[25]);
+              use_split ? prefill.last_plan().estimated_us : 0.0, fixed_grid ? "true" : "false", plan_us[25],
+              pcfg.max_batch_size, use_split && prefill.last_plan().fixed_grid ? "true" : "false");
   return 0;
 }
 
@@ -817,6 +821,8 @@ void upload(void* dst, const void* src, size_t bytes) {
 //   weight_gbs = those bytes over the time (run_bench.py divides by the read ceiling).
 // The weights of one case are far larger than the L2 on the model shapes; when the touched set
 // with a and out is not, rotations_for() copies weights and out.
+//   a_rows=gathered: the GEMM reads x's rows through permuted_token (a_rows) instead of the
+//   permuted copy (what fused_moe does; the copy's own time is the difference moe_layer sees).
 int bench_moe_gemm(const Args& a) {
   const int E = arg_int(a, "experts"), top_k = arg_int(a, "top_k", "1");
   const int64_t T = arg_int(a, "tokens"), K = arg_int(a, "K"), N = arg_int(a, "N");
@@ -873,9 +879,19 @@ int bench_moe_gemm(const Args& a) {
     out.push_back(std::make_unique<Buffer>(out_bytes));
     fill_random(w.back()->get(), w_bytes, 100 + r, false);
   }
+  const std::string a_rows = arg(a, "a_rows", "copied");
+  if (a_rows != "copied" && a_rows != "gathered") {
+    std::fprintf(stderr, "tessera_bench: a_rows must be copied or gathered, got '%s'\n", a_rows.c_str());
+    return 2;
+  }
+  const bool gathered = a_rows == "gathered";
   const double ms = median_ms([&](int i) {
     MoeGroupedGemmArgs g;
     g.a = TensorView::contiguous(px.get(), DType::kBF16, {capacity, K});
+    if (gathered) {
+      g.a = perm.x;
+      g.a_rows = perm.permuted_token;
+    }
     g.weights = TensorView::contiguous(w[i % rot]->get(), DType::kBF16, {E, N, K});
     g.expert_offsets = perm.expert_offsets;
     g.activation = swiglu ? MoeActivation::kSwiGLU : MoeActivation::kNone;
@@ -885,8 +901,8 @@ int bench_moe_gemm(const Args& a) {
   const double flops = 2.0 * double(rows) * N * K;
   char extra[320];
   std::snprintf(extra, sizeof(extra), ", \"activation\": \"%s\", \"touched_weight_bytes\": %.0f, \"weight_gbs\": %.1f, "
-                "\"rotations\": %d, \"token_rows\": %d", act_name.c_str(), touched_bytes,
-                touched_bytes / (ms * 1e-3) / 1e9, rot, token_rows);
+                "\"rotations\": %d, \"token_rows\": %d, \"a_rows\": \"%s\"", act_name.c_str(), touched_bytes,
+                touched_bytes / (ms * 1e-3) / 1e9, rot, token_rows, a_rows.c_str());
   std::printf("{\"suite\": \"moe_gemm\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "
               "\"time_us\": %.2f%s%s}\n", arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3,
               routing_json(routed).c_str(), extra);
@@ -912,6 +928,14 @@ int bench_moe_layer(const Args& a) {
     return 2;
   }
   const bool renormalize = arg(a, "renormalize", "true") == "true";
+  // x_rows=copy: moe_permute copies x's rows for the first GEMM (the ablation of the default gather).
+  const std::string x_rows = arg(a, "x_rows", "gather");
+  if (x_rows != "gather" && x_rows != "copy") {
+    std::fprintf(stderr, "tessera_bench: x_rows must be gather or copy, got '%s'\n", x_rows.c_str());
+    return 2;
+  }
+  const dispatch::FusedMoeRows rows_mode = x_rows == "copy" ? dispatch::FusedMoeRows::kCopy : dispatch::FusedMoeRows::kGather;
+  dispatch::force_fused_moe_rows(&rows_mode);
   const std::vector<float> logits = moe_router_logits(T, E, std::stoull(arg(a, "seed", "1")));
   Buffer d_logits(logits.size() * 4), x(size_t(T) * H * 2), out(size_t(T) * H * 2), ids(size_t(T) * top_k * 4),
       weights(size_t(T) * top_k * 4);
@@ -954,9 +978,9 @@ int bench_moe_layer(const Args& a) {
   char extra[400];
   std::snprintf(extra, sizeof(extra), ", \"stream_us\": %.2f, \"stream_tflops\": %.2f, \"touched_weight_bytes\": %.0f, "
                 "\"weight_gbs\": %.1f, \"routing_matches_host\": %s, \"score\": \"%s\", \"renormalize\": %s, "
-                "\"workspace_bytes\": %zu", stream_step_ms * 1e3, flops / (stream_step_ms * 1e-3) / 1e12,
+                "\"workspace_bytes\": %zu, \"x_rows\": \"%s\"", stream_step_ms * 1e3, flops / (stream_step_ms * 1e-3) / 1e12,
                 touched_bytes, touched_bytes / (ms * 1e-3) / 1e9, routed.fnv == expected.fnv ? "true" : "false",
-                score.c_str(), renormalize ? "true" : "false", ws.bytes());
+                score.c_str(), renormalize ? "true" : "false", ws.bytes(), x_rows.c_str());
   std::printf("{\"suite\": \"moe_layer\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "
               "\"time_us\": %.2f%s%s}\n", arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3,
               routing_json(routed).c_str(), extra);

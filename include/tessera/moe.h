@@ -94,14 +94,19 @@ void moe_permute(const MoePermuteArgs& args, cudaStream_t stream);
 // broken array is made safe there rather than trusted: each offset is clamped to [0, rows] and
 // raised to the largest offset before it, so no tile reaches outside a / out (the results of a
 // broken array are unspecified, never out-of-bounds).
+// Gathered rows: with a_rows given, row r of the product reads a[a_rows[r]] (a is then [tokens, K],
+// any number of rows), so moe_permute's permuted_token feeds the GEMM without the permuted copy
+// of x; rows = a_rows.size(0) = out.size(0). a_rows is device data: an entry outside
+// [0, a.size(0)) (moe_permute's -1 on padding rows) reads a row of zeros.
 enum class MoeActivation : int { kNone = 0, kSwiGLU = 1 };
 
 struct MoeGroupedGemmArgs {
-  TensorView a;               // [rows, K]
+  TensorView a;               // [rows, K], or [tokens, K] with a_rows
   TensorView weights;         // [num_experts, N, K]
   TensorView expert_offsets;  // [num_experts + 1] int32, device
   MoeActivation activation = MoeActivation::kNone;
   TensorView out;             // [rows, N] (kNone) or [rows, N / 2] (kSwiGLU)
+  TensorView a_rows;          // optional [rows] int32, device: the row of `a` each product row reads
 };
 void moe_grouped_gemm(const MoeGroupedGemmArgs& args, cudaStream_t stream);
 

@@ -205,7 +205,7 @@ void bind_moe(nb::module_& m) {
   m.def(
       "moe_grouped_gemm",
       [](nb::handle a, nb::handle weights, nb::handle expert_offsets, int activation, nb::handle out,
-         uintptr_t stream) {
+         nb::handle a_rows, uintptr_t stream) {
         ArgConverter conv("moe_grouped_gemm");
         MoeGroupedGemmArgs args;
         args.a = conv.tensor(a, "a");
@@ -213,10 +213,11 @@ void bind_moe(nb::module_& m) {
         args.expert_offsets = conv.tensor(expert_offsets, "expert_offsets");
         args.activation = static_cast<MoeActivation>(activation);
         args.out = conv.tensor(out, "out");
+        args.a_rows = conv.optional(a_rows, "a_rows");
         DeviceGuard guard(conv.cuda_device());
         moe_grouped_gemm(args, as_stream(stream));
       },
-      "a"_a, "weights"_a, "expert_offsets"_a, "activation"_a, "out"_a, "stream"_a,
+      "a"_a, "weights"_a, "expert_offsets"_a, "activation"_a, "out"_a, "a_rows"_a.none(), "stream"_a,
       "tessera::moe_grouped_gemm (see tessera.moe_grouped_gemm for the Python API).");
 
   m.def(

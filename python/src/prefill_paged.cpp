@@ -88,12 +88,14 @@ void bind_prefill_paged(nb::module_& m) {
       .def_rw("window_left", &PagedPrefillConfig::window_left)
       .def_rw("cuda_graph", &PagedPrefillConfig::cuda_graph,
               "run() may be captured into a CUDA graph (fixed grids reading the step plan() copied)")
-      .def_rw("max_batch_size", &PagedPrefillConfig::max_batch_size, "requests per step, at most (cuda_graph)");
+      .def_rw("max_batch_size", &PagedPrefillConfig::max_batch_size, "requests per step, at most (required with cuda_graph; without it, lets plan() put steps whose "
+              "requests differ on the fixed grid)");
   nb::class_<PagedPrefillPlanInfo>(m, "PagedPrefillPlanInfo", "What BatchPrefillPaged::plan decided.")
       .def_ro("kv_splits", &PagedPrefillPlanInfo::kv_splits)
       .def_ro("query_tiles", &PagedPrefillPlanInfo::query_tiles)
       .def_ro("path", &PagedPrefillPlanInfo::path)
-      .def_ro("estimated_us", &PagedPrefillPlanInfo::estimated_us);
+      .def_ro("estimated_us", &PagedPrefillPlanInfo::estimated_us)
+      .def_ro("fixed_grid", &PagedPrefillPlanInfo::fixed_grid, "run() takes the fixed grid over plan()'s schedule");
   m.def("paged_prefill_workspace_bytes", &BatchPrefillPaged::workspace_bytes, "config"_a,
         "Bytes of device workspace a BatchPrefillPaged of this config needs.");
   nb::class_<PagedPrefiller>(m, "PagedPrefiller", "tessera::BatchPrefillPaged over a workspace tensor.")

@@ -122,8 +122,8 @@ def register() -> bool:
 
     @torch.library.custom_op("tessera::moe_grouped_gemm", mutates_args=("out",))
     def moe_grouped_gemm(a: Tensor, weights: Tensor, expert_offsets: Tensor, activation: int, out: Tensor,
-                         stream: int) -> None:
-        _ext.moe_grouped_gemm(a, weights, expert_offsets, activation, out, _stream(stream, a))
+                         a_rows: Optional[Tensor], stream: int) -> None:
+        _ext.moe_grouped_gemm(a, weights, expert_offsets, activation, out, a_rows, _stream(stream, a))
 
     @torch.library.custom_op("tessera::moe_combine", mutates_args=("out",))
     def moe_combine(expert_out: Tensor, inverse: Tensor, topk_weights: Tensor, shared_out: Optional[Tensor],

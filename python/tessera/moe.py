@@ -4,7 +4,8 @@ moe_route turns router logits [tokens, num_experts] into the top-k experts and t
 moe_permute groups the (token, k) copies by expert into aligned segments, with the offsets
 computed on the device (no host synchronisation, CUDA-graph safe) and results deterministic;
 moe_grouped_gemm multiplies every expert's segment by its weights (optionally with the SwiGLU
-epilogue); moe_combine sums each token's expert outputs with the routing weights; fused_moe runs
+epilogue, optionally reading the segment rows straight from x through permuted_token: a_rows);
+moe_combine sums each token's expert outputs with the routing weights; fused_moe runs
 the whole layer in one call.
 """
 from __future__ import annotations
@@ -43,12 +44,15 @@ def _permute_workspace_bytes(tokens: Any, top_k: int, num_experts: int) -> Any:
 
 def _fused_moe_workspace_bytes_py(tokens: Any, hidden: Any, inter: Any, num_experts: int, top_k: int,
                                   shared_inter: Any = 0) -> Any:
-    """fused_moe's workspace layout (src/api/moe_api.cpp, fused_moe_layout): each buffer rounded up
-    to 256 bytes."""
+    """fused_moe's workspace layout (src/api/moe_api.cpp, fused_moe_layout): each buffer rounded up to
+    256 bytes; the permuted copy of x only where the first GEMM does not gather x's rows itself
+    (inter > 1024, dispatch::fused_moe_rows)."""
     rows = tokens * top_k
     parts = [rows * 4, rows * 4, (num_experts + 1) * 4, rows * 4, rows * 4,
-             _permute_workspace_bytes_py(tokens, top_k, num_experts), rows * hidden * 2, rows * inter * 2,
-             rows * hidden * 2]
+             _permute_workspace_bytes_py(tokens, top_k, num_experts)]
+    if inter > 1024:
+        parts.append(rows * hidden * 2)
+    parts += [rows * inter * 2, rows * hidden * 2]
     if shared_inter > 0:
         parts += [tokens * shared_inter * 2, tokens * hidden * 2]
     return sum((b + 255) // 256 * 256 for b in parts)
@@ -141,25 +145,33 @@ _ACTIVATIONS = {None: 0, "none": 0, "swiglu": 1}
 
 @T.stream_scope("a", 0)
 def moe_grouped_gemm(a: Any, weights: Any, expert_offsets: Any, *, activation: Optional[str] = None,
-                     out: Optional[Any] = None, stream: Optional[Any] = None) -> Any:
+                     out: Optional[Any] = None, a_rows: Optional[Any] = None, stream: Optional[Any] = None) -> Any:
     """Grouped GEMM: for every expert e, rows [expert_offsets[e], expert_offsets[e + 1]) of
     a [rows, K] times weights[e] [N, K] transposed -> out [rows, N].
 
     activation 'swiglu': out [rows, N / 2] = silu(gate) * up, the gate being the first N / 2 rows
     of each expert's weights and up the rest (vLLM's w13 layout). bf16 / fp16, fp32 accumulation;
     the offsets are read on the device (CUDA-graph safe); rows outside every segment are not
-    written. out is allocated (rows of a) when not given. Raises tessera.Error for invalid
-    arguments.
+    written.
+
+    a_rows (optional int32 [rows], 1-D, contiguous, device memory): gathered rows. Product row r
+    then reads a[a_rows[r]], a being [tokens, K] with any number of rows (the tokens themselves),
+    so moe_permute's permuted_token can feed the GEMM without the permuted copy of x; rows =
+    a_rows.shape[0] = out.shape[0], and an entry outside [0, a.shape[0]) (moe_permute's -1 on
+    padding rows) reads a row of zeros. Like the offsets it is read on the device.
+
+    out is allocated when not given, with the rows of a (of a_rows when given). Raises
+    tessera.Error for invalid arguments.
     """
     entry = "moe_grouped_gemm"
     if activation not in _ACTIVATIONS:
         T.fail(entry, "activation", "must be None, 'none' or 'swiglu', got %r" % (activation,))
     act = _ACTIVATIONS[activation]
     if out is None:
-        rows = T.shape(a, entry, "a")[0]
+        rows = T.shape(a_rows, entry, "a_rows")[0] if a_rows is not None else T.shape(a, entry, "a")[0]
         n = T.shape(weights, entry, "weights")[1]
         out = T.empty_like(a, entry, "a", cols=n // 2 if act == 1 else n, rows=rows)
-    args = (a, weights, expert_offsets, act, out)
+    args = (a, weights, expert_offsets, act, out, a_rows)
     if _ops.use_torch_op(a):
         _ops.torch_ops().moe_grouped_gemm(*args, _ops.stream_arg(stream))
     else:

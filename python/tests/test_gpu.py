@@ -335,6 +335,88 @@ def test_moe_grouped_gemm_matches_torch(activation, rows_per_expert):
     assert err <= 0.02 * max(1.0, expect.abs().max().item()), err
 
 
+def gathered_rows_problem(tokens, experts=6, k=136, n=272, per_expert=17, seed=110):
+    """x [tokens, k], weights, offsets with some experts empty and 5 rows past the last segment,
+    and a_rows [rows]: a random token per row, some entries -1, tokens and 2^31 - 1 (zero rows)."""
+    counts = [per_expert * (e % 3) for e in range(experts)]
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32, device="cuda")
+    rows = int(offsets[-1]) + 5
+    x = rand((tokens, k), seed=seed)
+    w = rand((experts, n, k), seed=seed + 1, scale=0.1)
+    g = torch.Generator().manual_seed(seed + 2)
+    a_rows = torch.randint(0, tokens, (rows,), generator=g, dtype=torch.int32)
+    a_rows[::7] = -1
+    a_rows[3::11] = tokens
+    a_rows[5::13] = 2**31 - 1
+    return x, w, offsets, a_rows.cuda()
+
+
+def explicit_gather(x, a_rows):
+    """x[a_rows], with a row of zeros where an entry is outside x's rows."""
+    valid = (a_rows >= 0) & (a_rows < x.shape[0])
+    picked = x[a_rows.clamp(0, x.shape[0] - 1).long()]
+    return torch.where(valid[:, None], picked, torch.zeros((), dtype=x.dtype, device=x.device)).contiguous(), valid
+
+
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+@pytest.mark.parametrize("tokens", [80, 120])
+def test_moe_grouped_gemm_gathered_rows_equal_the_explicit_gather(activation, tokens):
+    # tokens 80 (fewer than the 107 rows) and 120 (more); either way x's rows per expert select
+    # the same tile shape as the product rows', so the two calls must agree bit for bit.
+    n = 272
+    x, w, offsets, a_rows = gathered_rows_problem(tokens, n=n)
+    rows, seg = a_rows.shape[0], int(offsets[-1])
+    gathered, valid = explicit_gather(x, a_rows)
+    out_cols = n // 2 if activation else n
+    out = torch.full((rows, out_cols), 7.0, dtype=x.dtype, device="cuda")
+    want = torch.full_like(out, 7.0)
+    assert tessera.moe_grouped_gemm(x, w, offsets, activation=activation, out=out, a_rows=a_rows) is out
+    tessera.moe_grouped_gemm(gathered, w, offsets, activation=activation, out=want)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want), (out.double() - want.double()).abs().max().item()
+    assert (out[seg:] == 7.0).all(), "rows past the last segment were written"
+    assert (out[:seg][~valid[:seg]] == 0).all(), "rows with an entry outside x are not 0"
+    # Against fp64 torch on the gathered rows (as test_moe_grouped_gemm_matches_torch).
+    expect = torch.full((rows, out_cols), 7.0, dtype=torch.float64, device="cuda")
+    for e in range(w.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        h = gathered[lo:hi].double() @ w[e].double().T
+        expect[lo:hi] = torch.nn.functional.silu(h[:, :n // 2]) * h[:, n // 2:] if activation else h
+    err = (out.double() - expect).abs().max().item()
+    assert err <= 0.02 * max(1.0, expect.abs().max().item()), err
+    # out allocated: a_rows' rows, x's dtype.
+    alloc = tessera.moe_grouped_gemm(x, w, offsets, activation=activation, a_rows=a_rows)
+    torch.cuda.synchronize()
+    assert alloc.shape == (rows, out_cols) and alloc.dtype == x.dtype and alloc.is_cuda
+    assert torch.equal(alloc[:seg], want[:seg])
+
+
+def test_moe_grouped_gemm_gathered_rows_from_moe_permute_and_under_torch_compile():
+    tokens, top_k, experts, k, n = 40, 2, 8, 64, 128
+    x = rand((tokens, k), seed=120)
+    w = rand((experts, n, k), seed=121, scale=0.1)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(122),
+                        dtype=torch.int32).cuda()
+    perm = tessera.moe_permute(ids, experts, align=16, x=x)  # padding rows: permuted_token -1
+    seg = int(perm.expert_offsets[-1])
+    assert (perm.permuted_token[:seg] < 0).any()
+    want = tessera.moe_grouped_gemm(perm.permuted_x, w, perm.expert_offsets)
+    got = tessera.moe_grouped_gemm(x, w, perm.expert_offsets, a_rows=perm.permuted_token)
+    torch.cuda.synchronize()
+    assert got.shape == want.shape == (perm.permuted_token.shape[0], n)
+    assert torch.equal(got[:seg], want[:seg])
+
+    # The torch op (Optional a_rows) under torch.compile(fullgraph=True).
+    def up(x, a_rows):
+        return tessera.moe_grouped_gemm(x, w, perm.expert_offsets, activation="swiglu", a_rows=a_rows)[:seg] * 2
+
+    eager = up(x, perm.permuted_token)
+    compiled = torch.compile(up, fullgraph=True)(x, perm.permuted_token)
+    assert torch.equal(eager, compiled)
+    expect = tessera.moe_grouped_gemm(perm.permuted_x, w, perm.expert_offsets, activation="swiglu")[:seg] * 2
+    assert torch.equal(eager, expect)
+
+
 def test_fused_moe_matches_torch_and_replays_in_a_graph():
     tokens, hidden, inter, experts, top_k = 24, 128, 64, 8, 2
     x = rand((tokens, hidden), seed=92)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tessera
-from conftest import HAVE_GPU, requires_no_gpu
+from conftest import HAVE_GPU, FakeCudaArray, requires_no_gpu
 
 POISON = 7.0
 HEAD_DIM = 128  # compiled in every build (TESSERA_HEAD_DIMS narrows to a subset containing it in CI)
@@ -467,6 +467,43 @@ def test_moe_grouped_gemm_rules(dev):
     expect_error(lambda: tessera.moe_grouped_gemm(dev.randn((10, 68), "bf16", seed=9), dev.randn((4, 32, 68), "bf16"),
                                                   offsets, out=out),
                  "moe_grouped_gemm", "a", "multiple of 8")
+    if not HAVE_GPU:
+        assert np.all(dev.to_numpy(out) == POISON)
+
+
+def test_moe_grouped_gemm_gathered_rows_rules(dev):
+    # a_rows [10]: product row r reads x[a_rows[r]]; x has any number of rows (here 6 and 40),
+    # entries outside them (-1, 6) read zeros. int32, 1-D, contiguous; as many as out's rows.
+    x = dev.randn((6, 72), "bf16", seed=15)
+    w = dev.randn((4, 32, 72), "bf16", seed=7)
+    offsets = dev.indices(np.array([0, 3, 3, 8, 10], np.int32))
+    a_rows = dev.indices(np.array([0, 5, -1, 2, 2, 6, 1, 3, 4, 0], np.int32))
+    out = dev.full((10, 32), POISON, "bf16")
+    expect_gpu_stage(lambda: tessera.moe_grouped_gemm(x, w, offsets, out=out, a_rows=a_rows))
+    expect_gpu_stage(lambda: tessera.moe_grouped_gemm(dev.randn((40, 72), "bf16", seed=16), w, offsets, out=out,
+                                                      a_rows=a_rows))
+    expect_gpu_stage(lambda: tessera.moe_grouped_gemm(x, w, offsets, activation="swiglu", a_rows=a_rows,
+                                                      out=dev.full((10, 16), POISON, "bf16")))
+
+    def call(**kw):
+        args = dict(out=out, a_rows=a_rows)
+        args.update(kw)
+        return lambda: tessera.moe_grouped_gemm(x, w, offsets, **args)
+
+    expect_error(call(a_rows=dev.full((10,), 0, "fp32")), "moe_grouped_gemm", "a_rows", "dtype")
+    expect_error(call(a_rows=dev.indices(np.zeros((10, 1), np.int32))), "moe_grouped_gemm", "a_rows", "rank")
+    expect_error(call(a_rows=dev.indices(np.zeros(20, np.int32))[::2]), "moe_grouped_gemm", "a_rows", "stride")
+    expect_error(call(a_rows=dev.indices(np.zeros(9, np.int32))), "moe_grouped_gemm", "out", "a_rows")
+    expect_error(call(a_rows=dev.indices(np.zeros(11, np.int32))), "moe_grouped_gemm", "out", "a_rows")
+    # out apart from a_rows: an int32 view of out's first 40 bytes.
+    if dev.real:
+        import torch
+        alias = out.view(torch.int32).reshape(-1)[:10]
+    else:
+        alias = FakeCudaArray(out.host.view(np.int32).reshape(-1)[:10], "int32")
+    expect_error(call(a_rows=alias), "moe_grouped_gemm", "out", "must not overlap 'a_rows'")
+    # Without a_rows, x's 6 rows are not out's 10.
+    expect_error(call(a_rows=None), "moe_grouped_gemm", "out", "")
     if not HAVE_GPU:
         assert np.all(dev.to_numpy(out) == POISON)
 

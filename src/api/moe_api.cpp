@@ -247,11 +247,12 @@ void check_tile_count(const detail::ArgCheck& check, const char* name, int64_t r
                       " columns)");
 }
 
-// weights [E, N, K] against a [rows, K] and out [rows, N or N / 2]; returns the GEMM's params
-// (offsets as given).
+// weights [E, N, K] against a [rows, K] and out [rows, N or N / 2], or with gathered rows
+// (a_rows, [rows] int32) a [any, K]; returns the GEMM's params (offsets as given).
 kernels::moe::GroupedGemmParams grouped_gemm_params(const detail::ArgCheck& check, const TensorView& a,
                                                     const char* a_name, const TensorView& w, const char* w_name,
-                                                    bool swiglu, const TensorView& out, const char* out_name) {
+                                                    bool swiglu, const TensorView& out, const char* out_name,
+                                                    const TensorView* a_rows = nullptr) {
   check_rows_16bit(check, a, a_name, 2);
   check_rows_16bit(check, w, w_name, 3);
   check.dtype(w, w_name, {a.dtype});
@@ -260,7 +261,9 @@ kernels::moe::GroupedGemmParams grouped_gemm_params(const detail::ArgCheck& chec
   check_gemm_strides(check, a, a_name);
   check_gemm_strides(check, w, w_name);
   check_gemm_strides(check, out, out_name);
-  const int64_t rows = a.size(0), k = a.size(1), experts = w.size(0), n = w.size(1);
+  const bool gathered = a_rows != nullptr;
+  if (gathered) check.index_array(*a_rows, "a_rows");
+  const int64_t rows = gathered ? a_rows->size(0) : a.size(0), k = a.size(1), experts = w.size(0), n = w.size(1);
   TESSERA_REQUIRE(check, experts >= 1 && experts <= kernels::moe::kMaxGemmExperts, w_name,
                   "num_experts (dim 0) must be in 1.." + std::to_string(kernels::moe::kMaxGemmExperts) + ", got " +
                       std::to_string(experts));
@@ -270,17 +273,21 @@ kernels::moe::GroupedGemmParams grouped_gemm_params(const detail::ArgCheck& chec
   TESSERA_REQUIRE(check, n >= 8 && n % (swiglu ? 16 : 8) == 0 && n < (int64_t(1) << 31), w_name,
                   std::string("dim 1 (N) must be a positive multiple of ") + (swiglu ? "16 (gate and up halves of a multiple of 8 each)" : "8") +
                       ", got " + std::to_string(n));
-  check.dim(out, out_name, 0, rows, (std::string(a_name) + "'s rows").c_str());
+  check.dim(out, out_name, 0, rows, gathered ? "a_rows' size" : (std::string(a_name) + "'s rows").c_str());
   check.dim(out, out_name, 1, swiglu ? n / 2 : n, swiglu ? "N / 2 (SwiGLU)" : "N");
   check.output_layout(out, out_name);
   check.disjoint(out, out_name, a, a_name);
   check.disjoint(out, out_name, w, w_name);
+  if (gathered) check.disjoint(out, out_name, *a_rows, "a_rows");
   check_tile_count(check, a_name, rows, experts, n);
+  TESSERA_REQUIRE(check, a.size(0) < (int64_t(1) << 31), a_name, "more than 2^31 - 1 rows");
 
   kernels::moe::GroupedGemmParams p;
   p.dtype = a.dtype;
   p.a = a.data;
-  p.a_stride = rows > 1 ? a.stride[0] : k;
+  p.a_stride = a.size(0) > 1 ? a.stride[0] : k;
+  p.a_rows = a.size(0);
+  if (gathered) p.a_row_index = static_cast<const int32_t*>(a_rows->data);
   p.w = w.data;
   p.w_stride_expert = experts > 1 ? w.stride[0] : n * k;
   p.w_stride_row = n > 1 ? w.stride[1] : k;
@@ -347,8 +354,10 @@ void moe_grouped_gemm(const MoeGroupedGemmArgs& a, cudaStream_t stream) {
   const detail::ArgCheck check("moe_grouped_gemm");
   TESSERA_REQUIRE(check, a.activation == MoeActivation::kNone || a.activation == MoeActivation::kSwiGLU, "activation",
                   "must be kNone or kSwiGLU");
-  kernels::moe::GroupedGemmParams p = grouped_gemm_params(check, a.a, "a", a.weights, "weights",
-                                                          a.activation == MoeActivation::kSwiGLU, a.out, "out");
+  const bool gathered = a.a_rows.data != nullptr || !a.a_rows.empty_view();
+  kernels::moe::GroupedGemmParams p =
+      grouped_gemm_params(check, a.a, "a", a.weights, "weights", a.activation == MoeActivation::kSwiGLU, a.out, "out",
+                          gathered ? &a.a_rows : nullptr);
   check.index_array(a.expert_offsets, "expert_offsets");
   check.dim(a.expert_offsets, "expert_offsets", 0, p.num_experts + 1, "num_experts + 1");
   check.disjoint(a.out, "out", a.expert_offsets, "expert_offsets");
@@ -399,7 +408,8 @@ FusedMoeLayout fused_moe_layout(int64_t tokens, int64_t hidden, int64_t inter, i
   l.inverse = take(std::size_t(rows) * 4);
   l.permute_ws_bytes = moe_permute_workspace_bytes(tokens, top_k, num_experts);
   l.permute_ws = take(l.permute_ws_bytes);
-  l.permuted_x = take(std::size_t(rows) * hidden * e16);
+  // x's rows for the first GEMM: gathered in its loads, or copied here (dispatch::fused_moe_rows).
+  if (dispatch::fused_moe_rows(inter) == dispatch::FusedMoeRows::kCopy) l.permuted_x = take(std::size_t(rows) * hidden * e16);
   l.act = take(std::size_t(rows) * inter * e16);
   l.y = take(std::size_t(rows) * hidden * e16);
   if (shared_inter > 0) {
@@ -568,6 +578,7 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
   }
   const TensorView offsets = TensorView::contiguous(ws + l.offsets, DType::kInt32, {experts + 1});
   const TensorView inverse = TensorView::contiguous(ws + l.inverse, DType::kInt32, {tokens, a.top_k});
+  const bool copy_rows = dispatch::fused_moe_rows(inter) == dispatch::FusedMoeRows::kCopy;
   const TensorView permuted_x = TensorView::contiguous(ws + l.permuted_x, a.x.dtype, {rows, hidden});
   const TensorView act = TensorView::contiguous(ws + l.act, a.x.dtype, {rows, inter});
   const TensorView y = TensorView::contiguous(ws + l.y, a.x.dtype, {rows, hidden});
@@ -575,8 +586,10 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
   perm.topk_ids = ids;
   perm.num_experts = int(experts);
   perm.align = 1;
-  perm.x = a.x;
-  perm.permuted_x = permuted_x;
+  if (copy_rows) {
+    perm.x = a.x;
+    perm.permuted_x = permuted_x;
+  }
   perm.expert_offsets = offsets;
   perm.permuted_token = TensorView::contiguous(ws + l.permuted_token, DType::kInt32, {rows});
   perm.inverse = inverse;
@@ -584,7 +597,9 @@ void fused_moe(const FusedMoeArgs& a, cudaStream_t stream) {
   perm.workspace_size = l.permute_ws_bytes;
   const kernels::moe::PermuteParams permute = permute_params(check, perm);
   // The permuted rows are x's and the activations have w2's K: their rules name those.
-  kernels::moe::GroupedGemmParams up = grouped_gemm_params(check, permuted_x, "x", a.w1, "w1", true, act, "w1");
+  kernels::moe::GroupedGemmParams up =
+      copy_rows ? grouped_gemm_params(check, permuted_x, "x", a.w1, "w1", true, act, "w1")
+                : grouped_gemm_params(check, a.x, "x", a.w1, "w1", true, act, "w1", &perm.permuted_token);
   up.offsets = static_cast<const int32_t*>(offsets.data);
   kernels::moe::GroupedGemmParams down = grouped_gemm_params(check, act, "w2", a.w2, "w2", false, y, "x");
   down.offsets = up.offsets;

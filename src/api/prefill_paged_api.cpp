@@ -30,7 +30,10 @@ constexpr int64_t kRowsPerCta = 128;
 constexpr int64_t kMinKeysPerRun = 256;
 constexpr int64_t kTargetCtasPerSm = 4;
 
-// The workspace: the split partials (max_kv_splits > 1), then with cuda_graph the step's image
+// The fixed grid (cuda_graph, or an eager config with max_batch_size) can run a step.
+bool has_fixed_grid(const PagedPrefillConfig& c) { return c.cuda_graph || c.max_batch_size >= 1; }
+
+// The workspace: the split partials (max_kv_splits > 1), then with the fixed grid the step's image
 // (plan()'s copy): the PrefillStep header, qo_indptr [max_batch + 1], kv_indptr [max_batch + 1],
 // kv_last_page_len [max_batch], and the static schedule (plan/prefill_schedule.h): slot_begin
 // [kMaxPrefillSlots + 1] and the slots' list positions [max_schedule_tiles], int32.
@@ -49,7 +52,7 @@ struct StepImage {
 constexpr std::size_t kSmallestBlockM = 64;
 StepImage step_image(const PagedPrefillConfig& c) {
   StepImage im;
-  if (!c.cuda_graph) return im;
+  if (!has_fixed_grid(c)) return im;
   im.offset = (partial_bytes(c) + 255) / 256 * 256;
   const std::size_t header = sizeof(kernels::PrefillStep) / sizeof(int32_t);
   im.qo_indptr = header;
@@ -79,7 +82,8 @@ void validate_config(const detail::ArgCheck& check, const PagedPrefillConfig& c)
                     "must be in 1..65535 with cuda_graph (it sizes the step's index arrays in the workspace), got " +
                         std::to_string(c.max_batch_size));
   } else {
-    TESSERA_REQUIRE(check, c.max_batch_size >= 0, "max_batch_size", "must be >= 0 (0: not bounded)");
+    TESSERA_REQUIRE(check, c.max_batch_size >= 0 && c.max_batch_size <= 65535, "max_batch_size",
+                    "must be in 0..65535 (0: not bounded, no fixed grid), got " + std::to_string(c.max_batch_size));
   }
 }
 
@@ -145,9 +149,10 @@ void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& 
 
 }  // namespace
 
-// cuda_graph: the pinned staging buffer of the step's image, the event of its last copy, and the
-// smallest buffers any captured run() was given (what a replay reads without a check).
-struct BatchPrefillPaged::Graph {
+// The fixed grid (cuda_graph or max_batch_size): the pinned staging buffer of the step's image, the
+// event of its last copy, and the smallest buffers any captured run() was given (what a replay
+// reads without a check).
+struct BatchPrefillPaged::FixedGrid {
   void* staging = nullptr;
   cudaEvent_t copied = nullptr;
   int device = -1;                              // the GPU the grids and schedule are for
@@ -164,11 +169,25 @@ struct BatchPrefillPaged::Graph {
                     "the current device " + std::to_string(current) + " is not the one this BatchPrefillPaged was made on (" +
                         std::to_string(device) + "): its fixed grids and schedule are that GPU's");
   }
-  ~Graph() {
+  ~FixedGrid() {
     if (copied) cudaEventDestroy(copied);
     if (staging) cudaFreeHost(staging);
   }
 };
+
+namespace {
+// Every request of the step has the same query rows and the same keys.
+bool uniform_step(const int32_t* qo_indptr, const PageTable& table, int64_t batch) {
+  for (int64_t r = 1; r < batch; ++r) {
+    if (qo_indptr[r + 1] - qo_indptr[r] != qo_indptr[1] - qo_indptr[0] ||
+        table.host_indptr[r + 1] - table.host_indptr[r] != table.host_indptr[1] - table.host_indptr[0] ||
+        table.host_last_page_len[r] != table.host_last_page_len[0]) {
+      return false;
+    }
+  }
+  return true;
+}
+}  // namespace
 
 BatchPrefillPaged::~BatchPrefillPaged() = default;
 
@@ -176,7 +195,7 @@ std::size_t BatchPrefillPaged::workspace_bytes(const PagedPrefillConfig& config)
   const detail::ArgCheck check("BatchPrefillPaged::workspace_bytes");
   validate_config(check, config);
   const StepImage image = step_image(config);
-  return config.cuda_graph ? image.offset + image.bytes : partial_bytes(config);
+  return has_fixed_grid(config) ? image.offset + image.bytes : partial_bytes(config);
 }
 
 BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* workspace, std::size_t workspace_size)
@@ -207,16 +226,17 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
       config.path, cc_major, cc_minor, dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16,
       config.head_dim, problem);
   hopper_reads_pages_ = family.ok && family.path == AttentionPath::kHopper;
-  if (config.cuda_graph) {
+  if (has_fixed_grid(config)) {
     cudaPointerAttributes attr{};
     const bool device_memory = cudaPointerGetAttributes(&attr, workspace) == cudaSuccess &&
                                (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
     cudaGetLastError();
-    TESSERA_REQUIRE(check, device_memory, "workspace", "must be device memory (cudaMalloc) with cuda_graph");
-    graph_ = std::make_unique<Graph>();
-    graph_->device = device;
-    TESSERA_CUDA_CHECK(cudaMallocHost(&graph_->staging, step_image(config).bytes));
-    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&graph_->copied, cudaEventDisableTiming));
+    TESSERA_REQUIRE(check, device_memory, "workspace",
+                    "must be device memory (cudaMalloc) with cuda_graph or max_batch_size (plan() copies the step there)");
+    fixed_ = std::make_unique<FixedGrid>();
+    fixed_->device = device;
+    TESSERA_CUDA_CHECK(cudaMallocHost(&fixed_->staging, step_image(config).bytes));
+    TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&fixed_->copied, cudaEventDisableTiming));
   }
 }
 
@@ -224,8 +244,8 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                              int64_t num_pages) {
   const detail::ArgCheck check("BatchPrefillPaged::plan");
   planned_ = false;  // until this plan is complete: a plan() that throws leaves none for run()
-  if (graph_) {
-    graph_->require_device(check);
+  if (fixed_) {
+    fixed_->require_device(check);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
     TESSERA_REQUIRE(check, capturing == cudaStreamCaptureStatusNone, "stream",
@@ -252,7 +272,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     const format::BsrError e = format::split_bsr_error(bad);
     check.fail(e.array.c_str(), e.rule);
   }
-  if (graph_) {
+  if (fixed_) {
     // A captured run() replays with the buffers it was captured with and checks nothing: every
     // later step must fit them and the workspace's index arrays, and its page ids must be checked.
     TESSERA_REQUIRE(check, batch <= config_.max_batch_size, "kv_indptr",
@@ -263,16 +283,16 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                       "request " + std::to_string(r) + " holds " + std::to_string(kv.row_tokens(r)) +
                           " tokens; at most 2^31 - 2^16 are supported");
     }
-    if (graph_->captured) {
-      TESSERA_REQUIRE(check, host_qo_indptr[batch] <= graph_->q_rows, "qo_indptr",
+    if (fixed_->captured) {
+      TESSERA_REQUIRE(check, host_qo_indptr[batch] <= fixed_->q_rows, "qo_indptr",
                       "the step has " + std::to_string(host_qo_indptr[batch]) +
-                          " query rows but the captured run() was given " + std::to_string(graph_->q_rows));
-      TESSERA_REQUIRE(check, table.host_indptr[batch] <= graph_->kv_indices_len, "kv_indptr",
+                          " query rows but the captured run() was given " + std::to_string(fixed_->q_rows));
+      TESSERA_REQUIRE(check, table.host_indptr[batch] <= fixed_->kv_indices_len, "kv_indptr",
                       "the step uses " + std::to_string(table.host_indptr[batch]) +
                           " page-table entries but the captured run() was given " +
-                          std::to_string(graph_->kv_indices_len));
-      TESSERA_REQUIRE(check, num_pages >= 0 && num_pages <= graph_->cache_pages, "num_pages",
-                      "must be given (>= 0) and at most the captured cache's " + std::to_string(graph_->cache_pages) +
+                          std::to_string(fixed_->kv_indices_len));
+      TESSERA_REQUIRE(check, num_pages >= 0 && num_pages <= fixed_->cache_pages, "num_pages",
+                      "must be given (>= 0) and at most the captured cache's " + std::to_string(fixed_->cache_pages) +
                           " pages once run() was captured: a replay follows the page ids unchecked");
     }
   }
@@ -351,18 +371,25 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     info_.kv_splits = capped(forced > 0 ? forced : std::min(wanted, keys / kMinKeysPerRun));
     info_.path = info_.kv_splits > 1 ? AttentionPath::kPortable : config_.path;
   }();
-  if (!graph_) {
+  // The fixed grid runs every cuda_graph step, and with max_batch_size the eager steps whose
+  // requests differ: there the plan's longest-first balance over persistent CTAs beat the
+  // hardware's one-tile grid on 25 of 27 random serving steps (1.10-1.53x; the other two, where
+  // one request's tile is the whole makespan, even), while steps of equal requests ran 0.97-1.01x
+  // of it (their merge launch, and L2: the dynamic grid keeps a head's tiles together);
+  // notes/prefill_paged.md.
+  info_.fixed_grid = fixed_ && (config_.cuda_graph || !uniform_step(host_qo_indptr, table, batch));
+  if (!info_.fixed_grid) {
     planned_ = true;
     return;
   }
   // The step's image: the kernels' PrefillStep and the index arrays they read in place of run()'s.
   // The staging buffer may still be read by the previous step's copy (long done in a serving loop).
-  TESSERA_CUDA_CHECK(cudaEventSynchronize(graph_->copied));
+  TESSERA_CUDA_CHECK(cudaEventSynchronize(fixed_->copied));
   const StepImage layout = step_image(config_);
-  int32_t* image = static_cast<int32_t*>(graph_->staging);
+  int32_t* image = static_cast<int32_t*>(fixed_->staging);
   // The static schedule, for the family that will run (its tile shape; run() checks it is the one).
   const bool hopper = hopper_plans;
-  graph_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
+  fixed_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
   plan::PrefillScheduleProblem sp;
   static_cast<plan::PrefillTiling&>(sp) = tiling;
   if (hopper) {
@@ -374,7 +401,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     sp.block_n = 64;  // (costs only)
   }
   TESSERA_REQUIRE(check, sp.block_m > 0, "head_dim",
-                  std::to_string(config_.head_dim) + " is not compiled for the " + attention_path_name(graph_->family) +
+                  std::to_string(config_.head_dim) + " is not compiled for the " + attention_path_name(fixed_->family) +
                       " family in this build");
   sp.kv_splits = info_.kv_splits;
   // The kernels decode list positions ((request x heads + head) x m_tiles + m_tile) x splits + split
@@ -390,7 +417,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   if (plan::prefill_schedule_tiles(sp) > int64_t(layout.max_tiles)) {
     throw Error("tessera::BatchPrefillPaged::plan: the step's schedule outgrew its workspace (internal error)");
   }
-  graph_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, graph_->scratch);
+  fixed_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, fixed_->scratch);
   kernels::PrefillStep step{};
   step.batch_size = static_cast<int32_t>(batch);
   step.max_qo_len = static_cast<int32_t>(max_qo);
@@ -401,10 +428,10 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   std::memcpy(image + layout.qo_indptr, host_qo_indptr, sizeof(int32_t) * (batch + 1));
   std::memcpy(image + layout.kv_indptr, table.host_indptr, sizeof(int32_t) * (batch + 1));
   std::memcpy(image + layout.last_page_len, table.host_last_page_len, sizeof(int32_t) * batch);
-  const std::size_t bytes = sizeof(int32_t) * (layout.slot_tiles + std::size_t(graph_->schedule.tiles));
+  const std::size_t bytes = sizeof(int32_t) * (layout.slot_tiles + std::size_t(fixed_->schedule.tiles));
   TESSERA_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<unsigned char*>(workspace_) + layout.offset, image, bytes,
                                      cudaMemcpyHostToDevice, stream));
-  TESSERA_CUDA_CHECK(cudaEventRecord(graph_->copied, stream));
+  TESSERA_CUDA_CHECK(cudaEventRecord(fixed_->copied, stream));
   planned_ = true;
 }
 
@@ -428,37 +455,39 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   TESSERA_REQUIRE(check, a.cache.page_size() == config_.page_size, "k_pages",
                   "page size " + std::to_string(a.cache.page_size()) + " differs from the config's " +
                       std::to_string(config_.page_size));
-  if (graph_) {
+  if (info_.fixed_grid) fixed_->require_device(check);
+  // An eager step planned for the fixed grid whose dtype takes the other family (not compiled for
+  // it) runs the one-tile grid: the schedule is the planned family's.
+  if (info_.fixed_grid && (config_.cuda_graph || path == fixed_->family)) {
     // The kernels read the planned index arrays with the arguments' kv_indices and cache, which
     // run()'s checks above validated against the arguments' host copies: those must be the plan's.
-    graph_->require_device(check);
     const StepImage layout = step_image(config_);
-    const int32_t* planned_image = static_cast<const int32_t*>(graph_->staging);
+    const int32_t* planned_image = static_cast<const int32_t*>(fixed_->staging);
     auto same = [&](const int32_t* given, std::size_t at, int64_t count) {
       return count == 0 || std::memcmp(given, planned_image + at, sizeof(int32_t) * std::size_t(count)) == 0;
     };
     TESSERA_REQUIRE(check, same(a.host_qo_indptr, layout.qo_indptr, planned_batch_ + 1), "qo_indptr",
-                    "differs from the planned step's (with cuda_graph, run() takes the step plan() saw)");
+                    "differs from the planned step's (the fixed grid reads the step plan() saw)");
     TESSERA_REQUIRE(check, same(a.table.host_indptr, layout.kv_indptr, planned_batch_ + 1), "kv_indptr",
-                    "differs from the planned step's (with cuda_graph, run() takes the step plan() saw)");
+                    "differs from the planned step's (the fixed grid reads the step plan() saw)");
     TESSERA_REQUIRE(check, same(a.table.host_last_page_len, layout.last_page_len, planned_batch_), "kv_last_page_len",
-                    "differs from the planned step's (with cuda_graph, run() takes the step plan() saw)");
+                    "differs from the planned step's (the fixed grid reads the step plan() saw)");
     // A window of 2^31 - 2^16 keys or more excludes nothing (no request is longer); a slightly
     // smaller one could overflow the band's int32 arithmetic over a step's rows.
     TESSERA_REQUIRE(check, a.window_left < format::kMaxRowTokens - config_.max_q_rows || a.window_left >= format::kMaxRowTokens,
-                    "window_left", "with cuda_graph must be below 2^31 - 2^16 - max_q_rows, or 2^31 - 2^16 or more (none)");
-    TESSERA_REQUIRE(check, path == graph_->family, "path",
+                    "window_left", "on the fixed grid must be below 2^31 - 2^16 - max_q_rows, or 2^31 - 2^16 or more (none)");
+    TESSERA_REQUIRE(check, path == fixed_->family, "path",
                     std::string("runs the ") + attention_path_name(path) + " family for this dtype, but plan() " +
-                        "scheduled the step for the " + attention_path_name(graph_->family) +
+                        "scheduled the step for the " + attention_path_name(fixed_->family) +
                         " family: with cuda_graph, set the config's path to the family run() takes");
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     launch_fixed_grid(check, config_, workspace_, info_.kv_splits, a, p, path, stream);
     if (capture != cudaStreamCaptureStatusNone) {  // what later plans must fit
-      graph_->captured = true;
-      graph_->q_rows = std::min(graph_->q_rows, a.q.size(0));
-      graph_->kv_indices_len = std::min(graph_->kv_indices_len, a.table.indices.size(0));
-      graph_->cache_pages = std::min(graph_->cache_pages, a.cache.num_pages());
+      fixed_->captured = true;
+      fixed_->q_rows = std::min(fixed_->q_rows, a.q.size(0));
+      fixed_->kv_indices_len = std::min(fixed_->kv_indices_len, a.table.indices.size(0));
+      fixed_->cache_pages = std::min(fixed_->cache_pages, a.cache.num_pages());
     }
     return;
   }

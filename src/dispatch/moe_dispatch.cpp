@@ -20,7 +20,22 @@ namespace {
 // A test's forced family: -1 none, else a MoeGemmFamily.
 std::atomic<int> g_forced_family{-1};
 std::atomic<int> g_forced_token_rows{0};
+std::atomic<int> g_forced_rows{-1};  // -1 none, else a FusedMoeRows
 }  // namespace
+
+// The copy costs rows x hidden x 4 bytes (~4 TB/s) where the first GEMM costs rows x hidden x
+// 4 inter FLOPs (~600 TFLOP/s): about 150 / inter of its time. Gathering made the Hopper GEMM's
+// 128-row tiles 5-16% slower (cp.async rows against one TMA box; the swapped small-row tiles
+// 0-3%), so it pays where inter is small. Measured on the H200, the whole layer, gather / copy:
+// Qwen3-30B-A3B (inter 768) 1.03-1.06 at T 16-8192; DeepSeek-V3 (2048) 0.99-1.01; Mixtral
+// (14336) 1.01 at T16, 0.98 / 0.94 / 0.92 at T128 / 1024 / 8192 (notes/moe.md).
+constexpr int64_t kGatherMaxInter = 1024;
+FusedMoeRows fused_moe_rows(int64_t inter) {
+  const int forced = g_forced_rows.load();
+  if (forced >= 0) return FusedMoeRows(forced);
+  return inter <= kGatherMaxInter ? FusedMoeRows::kGather : FusedMoeRows::kCopy;
+}
+void force_fused_moe_rows(const FusedMoeRows* rows) { g_forced_rows.store(rows ? int(*rows) : -1); }
 
 void force_moe_gemm_family(const MoeGemmFamily* family) { g_forced_family.store(family ? int(*family) : -1); }
 

@@ -27,4 +27,12 @@ void force_moe_gemm_family(const MoeGemmFamily* family);
 // can time the shapes its rule chooses between (GroupedGemmParams::token_rows).
 void force_moe_gemm_token_rows(int token_rows);
 
+// How fused_moe feeds x's rows to the first grouped GEMM: gathered inside the GEMM's loads
+// (kGather: moe_permute writes no permuted copy of x, and the workspace holds none) or copied by
+// moe_permute first (kCopy), by the layer's shape (fused_moe_rows) unless a benchmark forced one.
+// The workspace size follows the same choice, so fused_moe_workspace_bytes needs no GPU.
+enum class FusedMoeRows { kGather, kCopy };
+FusedMoeRows fused_moe_rows(int64_t inter);
+void force_fused_moe_rows(const FusedMoeRows* rows);  // nullptr lifts it
+
 }  // namespace tessera::dispatch

@@ -683,7 +683,7 @@ TEST(BadInputPrefillPaged, CudaGraphConfig) {
   EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), image(1));
   c.cuda_graph = false;
   c.max_batch_size = -1;
-  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "must be >= 0"});
+  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "must be in 0..65535"});
 }
 
 TEST(BadInputMoe, RouteAndPermute) {
@@ -874,6 +874,14 @@ struct MoeGemmProblem {
   void run() { moe_grouped_gemm(a, nullptr); }
 };
 
+// The same GEMM with its 64 product rows gathered from 24 tokens of x (a_rows [64] int32).
+struct MoeGemmGatheredProblem : MoeGemmProblem {
+  MoeGemmGatheredProblem() {
+    a.a = TensorView::contiguous(fake(), DType::kBF16, {24, 72});
+    a.a_rows = TensorView::contiguous(fake(4 << 24), DType::kInt32, {64});
+  }
+};
+
 // 16 tokens x top-2 over 40 permuted rows, hidden 64, with a shared expert's output.
 struct MoeCombineProblem {
   MoeCombineArgs a;
@@ -966,6 +974,7 @@ TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
   using RP = MoeRouteProblem;
   using PP = MoePermuteProblem;
   using GP = MoeGemmProblem;
+  using GG = MoeGemmGatheredProblem;
   using CP = MoeCombineProblem;
   using FP = FusedMoeProblem;
   using FG = FusedMoeGivenProblem;
@@ -1006,6 +1015,8 @@ TEST(BadInputMoeGemm, EveryBrokenViewRuleNamesItsArgument) {
   optional.push_back(table_entry<PP>("moe_permute", [](PP& p) { p.run(); },
       {{"x", in(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.x; }))},
        {"permuted_x", out(std::function<TensorView&(PP&)>([](PP& p) -> TensorView& { return p.a.permuted_x; }))}}));
+  optional.push_back(table_entry<GG>("moe_grouped_gemm", [](GG& p) { p.run(); },
+      {{"a_rows", in(std::function<TensorView&(GG&)>([](GG& p) -> TensorView& { return p.a.a_rows; }))}}));
   optional.push_back(table_entry<CP>("moe_combine", [](CP& p) { p.run(); },
       {{"shared_out", in(std::function<TensorView&(CP&)>([](CP& p) -> TensorView& { return p.a.shared_out; }))}}));
   optional.push_back(table_entry<FP>("fused_moe", [](FP& p) { p.run(); },
@@ -1119,6 +1130,60 @@ TEST(BadInputMoeGemm, ShapesDtypesStridesAndLimits) {
   fails([](auto& a) { a.out = TensorView::contiguous(fake((1 << 24) + 256), DType::kBF16, {64, 136}); }, {"out"});
   fails([](auto& a) { a.out = TensorView::contiguous(fake((2 << 24) - 64), DType::kBF16, {64, 136}); },
         {"out", "expert_offsets"});
+}
+
+// a_rows (product row r reads a[a_rows[r]]): a 1-D contiguous int32 device array of out's rows, apart
+// from out; `a` then has any number of rows (a size mismatch between a_rows and out blames out).
+TEST(BadInputMoeGemm, GatheredRows) {
+  if (gpu_visible()) GTEST_SKIP() << "fake device pointers: runs where no GPU is visible";
+  const char* kEntry = "moe_grouped_gemm";
+  auto fails = [&](const std::function<void(MoeGroupedGemmArgs&)>& brk, std::vector<std::string> args) {
+    MoeGemmGatheredProblem p;
+    brk(p.a);
+    expect_arg_error(kEntry, [&] { p.run(); }, std::move(args));
+  };
+  {
+    MoeGemmGatheredProblem p;  // a 24 rows, out 64
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm with a_rows, fewer rows of a than out");
+    p.a.a = TensorView::contiguous(fake(), DType::kBF16, {200, 72});
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm with a_rows, more rows of a than out");
+    p.a.a = TensorView::contiguous(fake(), DType::kBF16, {1, 72});
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm with a_rows, one row of a");
+    p.a.a = TensorView::contiguous(fake(), DType::kBF16, {64, 72});
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm with a_rows, as many rows of a as out");
+    p.a.a = TensorView::strided(fake(), DType::kBF16, {24, 72}, {136, 1});  // a column slice of x
+    p.a.activation = MoeActivation::kSwiGLU;
+    p.a.weights = TensorView::contiguous(fake(1 << 24), DType::kBF16, {8, 144, 72});
+    p.a.out = TensorView::strided(fake(3 << 24), DType::kBF16, {64, 72}, {80, 1});
+    expect_passes_validation([&] { p.run(); }, "moe_grouped_gemm with a_rows, kSwiGLU, strided");
+    MoeGemmGatheredProblem none;  // no product rows
+    none.a.a_rows = TensorView::contiguous(fake(4 << 24), DType::kInt32, {0});
+    none.a.out = TensorView::contiguous(fake(3 << 24), DType::kBF16, {0, 136});
+    expect_passes_validation([&] { none.run(); }, "moe_grouped_gemm with a_rows, no rows");
+  }
+  fails([](auto& a) { a.a_rows.dtype = DType::kFP32; }, {"a_rows"});
+  fails([](auto& a) { a.a_rows = TensorView::contiguous(fake(4 << 24), DType::kInt32, {64, 1}); }, {"a_rows"});
+  fails([](auto& a) { a.a_rows = TensorView::contiguous(fake(4 << 24), DType::kInt32, {1, 64}); }, {"a_rows"});
+  fails([](auto& a) { a.a_rows = TensorView::strided(fake(4 << 24), DType::kInt32, {64}, {2}); }, {"a_rows"});
+  fails([](auto& a) { a.a_rows.device = Device::kCPU; }, {"a_rows"});  // read on the device
+  fails([](auto& a) { a.a_rows.data = static_cast<char*>(a.a_rows.data) + 2; }, {"a_rows"});  // misaligned
+  // rows = a_rows.size(0) = out.size(0): a mismatch names out (against a_rows' rows).
+  for (int64_t rows : {63, 65}) {
+    MoeGemmGatheredProblem p;
+    p.a.a_rows = TensorView::contiguous(fake(4 << 24), DType::kInt32, {rows});
+    expect_arg_error(kEntry, [&] { p.run(); }, {"out"});
+    expect_error([&] { p.run(); }, {"argument 'out'", "a_rows"});
+  }
+  // out apart from a_rows (and from a, as without a_rows).
+  fails([](auto& a) { a.a_rows = TensorView::contiguous(fake(3 << 24), DType::kInt32, {64}); }, {"out"});
+  fails([](auto& a) { a.a_rows = TensorView::contiguous(fake((3 << 24) + 64 * 136), DType::kInt32, {64}); }, {"out"});
+  fails([](auto& a) { a.out = TensorView::contiguous(fake(), DType::kBF16, {64, 136}); }, {"out"});
+  // The rules on a itself still hold with a_rows: dtype, K (against the weights), strides.
+  fails([](auto& a) { a.a.dtype = DType::kFP32; }, {"a"});
+  fails([](auto& a) { a.a = TensorView::contiguous(fake(), DType::kBF16, {24, 80}); }, {"a", "weights"});
+  fails([](auto& a) { a.a = TensorView::strided(fake(), DType::kBF16, {24, 72}, {76, 1}); }, {"a"});
+  // Without a_rows, a's rows must still equal out's.
+  fails([](auto& a) { a.a_rows = TensorView(); }, {"out"});
 }
 
 TEST(BadInputMoeCombine, ShapesDtypesAndOverlaps) {

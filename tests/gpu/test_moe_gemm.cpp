@@ -11,6 +11,10 @@
 //    max |fp64|, naive = ref::grouped_gemm_naive_lowp (the unfused composition in the 16-bit
 //    dtype: fp32 sums stored rounded; SwiGLU's gate, up and silu each rounded). The floor covers
 //    fp32 summation-order differences only (far below a 16-bit ulp).
+//  - moe_grouped_gemm with a_rows (rows gathered from x): bit for bit the same GEMM on the
+//    explicitly gathered copy (same family, same tile shape: the same products in the same order),
+//    and the rules above against the reference on the gathered rows; rows whose a_rows entry is
+//    outside x exactly 0.
 //  - moe_combine: the same rule against ref::combine_naive_lowp (the contract's computation: fp32
 //    sums in k order, one rounding), floor 2^-20 x max |fp64| + 1e-6: near-exact.
 //  - fused_moe: the same rule against ref::moe_layer_naive_lowp, the unfused composition with every
@@ -24,7 +28,7 @@
 // checked written and every element it must not write (rows outside the segments, the padding of
 // strided outputs) is checked still poisoned. Inputs that must not be read into any result (rows
 // of `a` outside the segments, columns past K in padded rows, expert_out rows no copy refers to,
-// permuted_x rows past the last segment) hold NaN.
+// permuted_x rows past the last segment, rows of x no product row gathers) hold NaN.
 #include <gmock/gmock.h>
 
 #include <algorithm>
@@ -192,6 +196,7 @@ struct GemmCase {
   int w_pad = 0;                    // each weight row holds K + w_pad elements
   Fill fill = Fill::kRandom;
   int sample_rows = 0;              // 0: check every row; else the first / last of each segment + random ones
+  int gather_tokens = 0;            // > 0: also x [gather_tokens, K] and a_rows (GemmProblem::gathered_args)
 };
 
 GemmCase gemm_case(int experts, int k, int n, Layout layout, int rows_per_expert,
@@ -223,12 +228,20 @@ std::string describe(const GemmCase& c, DType dtype) {
     s += " strided a +" + std::to_string(c.a_offset) + "/" + std::to_string(c.a_pad) + " out +" +
          std::to_string(c.out_offset) + "/" + std::to_string(c.out_pad) + " w pad " + std::to_string(c.w_pad);
   }
+  if (c.gather_tokens) s += " gathered from " + std::to_string(c.gather_tokens) + " tokens";
   return s;
 }
 
+// A grouped GEMM problem: `a`, the weights, the offsets and `out` on the device, the host copies
+// the reference is computed from. With gather_tokens (the a_rows mode) there are also x
+// [gather_tokens, K] (same row stride and column offset as `a`) and a_rows [rows] on the device,
+// and `a` holds the rows of x that a_rows gathers (zeros where an entry is outside
+// [0, gather_tokens)): args() is the GEMM on that explicit copy, gathered_args() the same products
+// read through a_rows.
 class GemmProblem {
  public:
-  GemmProblem(const GemmCase& c, DType dtype, uint32_t seed) : c_(c), dtype_(dtype), rng_(seed), fast_(seed) {
+  GemmProblem(const GemmCase& c, DType dtype, uint32_t seed)
+      : c_(c), dtype_(dtype), rng_(seed), fast_(seed), gather_rng_(seed ^ 0xA5A5A5A5u) {
     for (int v = -3; v <= 3; ++v) int_bits_[v + 3] = to_bits(float(v), dtype_);
     offsets_ = make_offsets(c.layout, c.experts, c.rows_per_expert, c.lead, rng_);
     rows_ = int64_t(offsets_.back()) + c.tail;
@@ -254,14 +267,24 @@ class GemmProblem {
     d_out_ = device_buffer(size_t(rows_ * out_stride_) * 2);
     d_w_->upload(w_bits);
     d_off_->upload(offsets_);
+    if (c.gather_tokens > 0) {
+      d_x_ = device_buffer(size_t(int64_t(c.gather_tokens) * a_stride_) * 2);
+      d_rows_ = device_buffer(size_t(rows_) * 4);
+    }
     new_a();
   }
 
-  // Fresh contents of `a`: values in the segment rows, NaN elsewhere (other rows, row padding).
+  // Fresh contents of `a`: values in the segment rows, NaN elsewhere (other rows, row padding). In
+  // the a_rows mode a fresh a_rows and x too, `a` their explicit gather.
   void new_a() {
+    ++generation_;
     a_bits_.assign(size_t(rows_ * a_stride_), kNaN16);
-    for (int64_t r = offsets_.front(); r < offsets_.back(); ++r) {
-      for (int i = 0; i < c_.k; ++i) a_bits_[size_t(r * a_stride_ + c_.a_offset + i)] = draw(1.f);
+    if (c_.gather_tokens > 0) {
+      new_gathered_a();
+    } else {
+      for (int64_t r = offsets_.front(); r < offsets_.back(); ++r) {
+        for (int i = 0; i < c_.k; ++i) a_bits_[size_t(r * a_stride_ + c_.a_offset + i)] = draw(1.f);
+      }
     }
     d_a_->upload(a_bits_);
   }
@@ -284,6 +307,21 @@ class GemmProblem {
     sync(stream, "moe_grouped_gemm");
     return download();
   }
+
+  // The a_rows mode's call: a = x [gather_tokens, K], a_rows [rows], the same weights, offsets, out.
+  MoeGroupedGemmArgs gathered_args() const {
+    MoeGroupedGemmArgs g = args();
+    g.a = TensorView::strided(static_cast<char*>(d_x_->get()) + 2 * c_.a_offset, dtype_, {c_.gather_tokens, c_.k},
+                              {a_stride_, 1});
+    g.a_rows = TensorView::contiguous(d_rows_->get(), DType::kInt32, {rows_});
+    return g;
+  }
+  std::vector<uint16_t> run_gathered(cudaStream_t stream) {
+    d_out_->poison();
+    moe_grouped_gemm(gathered_args(), stream);
+    sync(stream, "moe_grouped_gemm with a_rows");
+    return download();
+  }
   std::vector<uint16_t> download() const { return d_out_->download<uint16_t>(size_t(rows_ * out_stride_)); }
   void poison_out() { d_out_->poison(); }
 
@@ -304,23 +342,27 @@ class GemmProblem {
     EXPECT_EQ(touched, 0) << "elements outside the segments / past N written, first at row x col " << first_touched;
     EXPECT_EQ(unwritten, 0) << "elements never written (still poisoned), first at " << first_unwritten;
 
-    const std::vector<int64_t> rows = rows_to_check();
-    if (rows.empty()) return;
-    // The checked rows as a compact problem of their own (same experts, same weights).
-    std::vector<float> a(rows.size() * size_t(c_.k));
-    std::vector<int32_t> offsets(size_t(c_.experts) + 1, 0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      for (int j = 0; j < c_.k; ++j) {
-        a[i * size_t(c_.k) + size_t(j)] = from_bits(a_bits_[size_t(rows[i] * a_stride_ + c_.a_offset + j)], dtype_);
+    if (c_.gather_tokens > 0) {  // a_rows entries outside x: products of a zero row, exactly 0
+      int64_t nonzero = 0, zero_rows = 0;
+      std::string first_nonzero;
+      for (int64_t r = lo; r < hi; ++r) {
+        if (in_x(a_rows_[size_t(r)])) continue;
+        ++zero_rows;
+        for (int j = 0; j < n_out_; ++j) {
+          if (from_bits(got[size_t(r * out_stride_ + c_.out_offset + j)], dtype_) != 0.f && nonzero++ == 0) {
+            first_nonzero = dims({r, j}) + " (a_rows " + std::to_string(a_rows_[size_t(r)]) + ")";
+          }
+        }
       }
-      ++offsets[size_t(expert_of(offsets_, rows[i])) + 1];
+      EXPECT_EQ(nonzero, 0) << "elements of the " << zero_rows << " rows whose a_rows entry is outside [0, "
+                            << c_.gather_tokens << ") are not 0, first at row x col " << first_nonzero;
     }
-    std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
-    const bool swiglu = c_.act == MoeActivation::kSwiGLU;
-    const int64_t m = int64_t(rows.size());
-    std::vector<double> want;
-    ref::grouped_gemm(a.data(), m, c_.k, w_vals_.data(), c_.experts, c_.n, offsets.data(), swiglu, want);
-    if (c_.fill == Fill::kIntegers && !swiglu) {
+
+    const Reference& expected = reference();
+    const std::vector<int64_t>& rows = expected.rows;
+    if (rows.empty()) return;
+    const std::vector<double>& want = expected.want;
+    if (expected.exact) {
       int64_t wrong = 0;
       for (size_t i = 0; i < rows.size(); ++i) {
         for (int j = 0; j < n_out_; ++j) {
@@ -335,26 +377,107 @@ class GemmProblem {
       EXPECT_EQ(wrong, 0) << "of " << rows.size() * size_t(n_out_) << " checked elements";
       return;
     }
-    std::vector<double> naive;
-    ref::grouped_gemm_naive_lowp(a.data(), m, c_.k, w_vals_.data(), c_.experts, c_.n, offsets.data(), swiglu,
-                                 mantissa_bits(dtype_), naive);
     std::vector<float> g(want.size());
-    double naive_err = 0, scale = 0;
     for (size_t i = 0; i < rows.size(); ++i) {
       for (int j = 0; j < n_out_; ++j) {
-        const size_t e = i * size_t(n_out_) + size_t(j);
-        g[e] = output_value(got[size_t(rows[i] * out_stride_ + c_.out_offset + j)], dtype_);
-        naive_err = std::max(naive_err, std::fabs(naive[e] - want[e]));
-        scale = std::max(scale, std::fabs(want[e]));
+        g[i * size_t(n_out_) + size_t(j)] = output_value(got[size_t(rows[i] * out_stride_ + c_.out_offset + j)], dtype_);
       }
     }
-    expect_within_rule(g, want, naive_err, 0x1p-16 * scale + 1e-7, "out (" + std::to_string(rows.size()) + " rows)");
+    expect_within_rule(g, want, expected.naive_err, 0x1p-16 * expected.scale + 1e-7,
+                       "out (" + std::to_string(rows.size()) + " rows)");
   }
 
   int64_t rows() const { return rows_; }
   const std::vector<int32_t>& offsets() const { return offsets_; }
 
  private:
+  // The reference on the checked rows, computed once per contents of `a` (new_a() makes new ones):
+  // the fp64 result, and unless exact (integer kStore: bit for bit) the naive 16-bit one's max
+  // error against it and the largest |fp64|.
+  struct Reference {
+    int64_t generation = -1;
+    std::vector<int64_t> rows;
+    std::vector<double> want;
+    bool exact = false;
+    double naive_err = 0, scale = 0;
+  };
+  const Reference& reference() const {
+    if (ref_.generation == generation_) return ref_;
+    Reference r;
+    r.generation = generation_;
+    r.rows = rows_to_check();
+    const std::vector<int64_t>& rows = r.rows;
+    if (!rows.empty()) {
+      // The checked rows as a compact problem of their own (same experts, same weights).
+      std::vector<float> a(rows.size() * size_t(c_.k));
+      std::vector<int32_t> offsets(size_t(c_.experts) + 1, 0);
+      for (size_t i = 0; i < rows.size(); ++i) {
+        for (int j = 0; j < c_.k; ++j) {
+          a[i * size_t(c_.k) + size_t(j)] = from_bits(a_bits_[size_t(rows[i] * a_stride_ + c_.a_offset + j)], dtype_);
+        }
+        ++offsets[size_t(expert_of(offsets_, rows[i])) + 1];
+      }
+      std::partial_sum(offsets.begin(), offsets.end(), offsets.begin());
+      const bool swiglu = c_.act == MoeActivation::kSwiGLU;
+      const int64_t m = int64_t(rows.size());
+      ref::grouped_gemm(a.data(), m, c_.k, w_vals_.data(), c_.experts, c_.n, offsets.data(), swiglu, r.want);
+      r.exact = c_.fill == Fill::kIntegers && !swiglu;
+      if (!r.exact) {
+        std::vector<double> naive;
+        ref::grouped_gemm_naive_lowp(a.data(), m, c_.k, w_vals_.data(), c_.experts, c_.n, offsets.data(), swiglu,
+                                     mantissa_bits(dtype_), naive);
+        for (size_t e = 0; e < r.want.size(); ++e) {
+          r.naive_err = std::max(r.naive_err, std::fabs(naive[e] - r.want[e]));
+          r.scale = std::max(r.scale, std::fabs(r.want[e]));
+        }
+      }
+    }
+    ref_ = std::move(r);
+    return ref_;
+  }
+
+  bool in_x(int32_t t) const { return t >= 0 && t < c_.gather_tokens; }
+
+  // The a_rows mode's new_a(): a fresh a_rows (a random token for every row, about 1 in 6 entries
+  // outside [0, tokens): -1 as on moe_permute's padding, tokens, tokens + 1000, INT32_MAX,
+  // INT32_MIN; the first segment row -1 and the last one `tokens` always), x (values on the
+  // tokens some segment row reads, NaN on the others and in the row padding) and `a` = the
+  // explicit gather (segment rows x[a_rows[r]] or zeros, NaN elsewhere).
+  void new_gathered_a() {
+    const int64_t tokens = c_.gather_tokens, lo = offsets_.front(), hi = offsets_.back();
+    const int32_t outside[] = {-1, int32_t(tokens), int32_t(tokens + 1000), INT32_MAX, INT32_MIN};
+    std::uniform_int_distribution<int32_t> token(0, int32_t(tokens - 1));
+    std::uniform_int_distribution<int> kind(0, 31);
+    a_rows_.resize(size_t(rows_));
+    for (int32_t& t : a_rows_) {
+      const int k = kind(gather_rng_);
+      t = k < 5 ? outside[k] : token(gather_rng_);
+    }
+    if (hi > lo) {
+      a_rows_[size_t(lo)] = -1;
+      a_rows_[size_t(hi - 1)] = int32_t(tokens);
+    }
+    std::vector<char> read(size_t(tokens), 0);
+    for (int64_t r = lo; r < hi; ++r) {
+      if (in_x(a_rows_[size_t(r)])) read[size_t(a_rows_[size_t(r)])] = 1;
+    }
+    x_bits_.assign(size_t(tokens * a_stride_), kNaN16);
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (!read[size_t(t)]) continue;
+      for (int i = 0; i < c_.k; ++i) x_bits_[size_t(t * a_stride_ + c_.a_offset + i)] = draw(1.f);
+    }
+    const uint16_t zero = to_bits(0.f, dtype_);
+    for (int64_t r = lo; r < hi; ++r) {
+      const int32_t t = a_rows_[size_t(r)];
+      for (int i = 0; i < c_.k; ++i) {
+        a_bits_[size_t(r * a_stride_ + c_.a_offset + i)] =
+            in_x(t) ? x_bits_[size_t(int64_t(t) * a_stride_ + c_.a_offset + i)] : zero;
+      }
+    }
+    d_x_->upload(x_bits_);
+    d_rows_->upload(a_rows_);
+  }
+
   uint16_t draw(float scale) {
     if (c_.fill == Fill::kIntegers) return int_bits_[fast_.small_int() + 3];
     return to_bits(fast_.uniform(-scale, scale), dtype_);
@@ -386,15 +509,19 @@ class GemmProblem {
 
   GemmCase c_;
   DType dtype_;
-  std::mt19937 rng_;  // the layout
-  FastRng fast_;      // the values
+  std::mt19937 rng_;         // the layout
+  FastRng fast_;             // the values
+  std::mt19937 gather_rng_;  // a_rows
   uint16_t int_bits_[7] = {};
   std::vector<int32_t> offsets_;
   int64_t rows_ = 0, a_stride_ = 0, out_stride_ = 0, w_stride_ = 0;
   int n_out_ = 0;
   std::vector<float> w_vals_;
-  std::vector<uint16_t> a_bits_;
-  std::unique_ptr<DeviceBuffer> d_a_, d_w_, d_off_, d_out_;
+  std::vector<uint16_t> a_bits_, x_bits_;
+  std::vector<int32_t> a_rows_;
+  int64_t generation_ = 0;  // of a's contents
+  mutable Reference ref_;
+  std::unique_ptr<DeviceBuffer> d_a_, d_w_, d_off_, d_out_, d_x_, d_rows_;
 };
 
 // Runs `body` once per grouped-GEMM family this GPU runs (Hopper and portable on an H200), each
@@ -859,6 +986,315 @@ TEST(GpuMoeGemm, ArgumentsAreValidated) {
   g = args();
   g.expert_offsets = TensorView::contiguous(off.get(), DType::kInt32, {experts});
   expect_arg_error("moe_grouped_gemm", call(g), {"expert_offsets"});
+  const auto bits = out.download<uint16_t>(size_t(rows) * n);
+  EXPECT_EQ(std::count(bits.begin(), bits.end(), kNaN16), int64_t(bits.size())) << "a refused call wrote";
+}
+
+// ---- Gathered rows (a_rows) ----------------------------------------------------------------------
+// With a_rows, product row r reads x[a_rows[r]] (a row of zeros for an entry outside x's rows). The
+// same GEMM on the explicitly gathered copy (GemmProblem::args()) computes the same products in the
+// same order on the same family, so the two must agree bit for bit; the gathered run is also held
+// to the reference on the gathered rows (GemmProblem::check: exact for integer kStore, else the
+// tolerance rule; rows outside the segments still poisoned; zero rows exactly 0).
+
+// got == want element for element (16-bit patterns of out, row stride `stride`).
+void expect_same_bits(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, int64_t stride,
+                      const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t differ = 0;
+  size_t first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << got.size() << " elements differ, first at row x col "
+                       << dims({int64_t(first) / stride, int64_t(first) % stride}) << " (bits 0x" << std::hex
+                       << (differ ? got[first] : 0) << " vs 0x" << (differ ? want[first] : 0) << std::dec << ")";
+}
+
+// One gathered run against the reference and bitwise against the explicit copy's run (same family,
+// same forced shape, if any).
+void check_gathered_run(GemmProblem& p, cudaStream_t stream) {
+  const std::vector<uint16_t> copy = p.run(stream);
+  const std::vector<uint16_t> gathered = p.run_gathered(stream);
+  p.check(gathered);
+  const int64_t stride = p.rows() > 0 ? int64_t(gathered.size()) / p.rows() : 1;
+  expect_same_bits(gathered, copy, stride, "a_rows against the GEMM on the explicitly gathered copy");
+}
+
+// Runs `body` with the Hopper kernel forced to each of its tile shapes (token rows 16, 32, 64
+// swapped, 128) when this GPU runs it; lifts the forcing afterwards.
+template <typename Body>
+void for_each_hopper_tile_shape(Body&& body) {
+  const auto families = dispatch::moe_gemm_families_on_this_gpu();
+  if (std::find(families.begin(), families.end(), dispatch::MoeGemmFamily::kHopper) == families.end()) return;
+  const dispatch::MoeGemmFamily hopper = dispatch::MoeGemmFamily::kHopper;
+  dispatch::force_moe_gemm_family(&hopper);
+  for (int token_rows : {16, 32, 64, 128}) {
+    SCOPED_TRACE("hopper, forced token rows " + std::to_string(token_rows));
+    dispatch::force_moe_gemm_token_rows(token_rows);
+    body();
+  }
+  dispatch::force_moe_gemm_token_rows(0);
+  dispatch::force_moe_gemm_family(nullptr);
+}
+
+// E 8 and 64; K 200 and 4104 (not multiples of 64); N 136 / 264 (not multiples of the 64- / 128-
+// / 256-column tiles), SwiGLU to I 72 / 136; mean rows per expert ~5, ~18, 40, 56, 300 and ~4.5
+// (decode), so the Hopper rule picks each of its tile shapes on its own (16, 32, 64, 128), and every
+// case runs under every forced shape too. x has fewer rows than the products in most cases and
+// more in one; the token counts are chosen so that x's rows per expert land in the same tile shape
+// as the products' (whichever the tile rule is fed, both calls get the same shape). Rows before
+// and after the segments (a_rows pointing anywhere) are never written; one case has strided x
+// and out.
+TEST(GpuMoeGemm, GatheredRowsEqualThePermutedCopy) {
+  TESSERA_REQUIRE_GPU();
+  const auto none = MoeActivation::kNone, swiglu = MoeActivation::kSwiGLU;
+  std::vector<GemmCase> cases;
+  {
+    GemmCase c = gemm_case(8, 200, 136, Layout::kUniform, 4, none, Fill::kIntegers);  // 40 rows, 24 tokens
+    c.lead = 3;
+    c.tail = 5;
+    c.gather_tokens = 24;
+    cases.push_back(c);
+  }
+  {
+    GemmCase c = gemm_case(64, 200, 144, Layout::kSomeEmpty, 27, swiglu);  // ~1130 rows, 1000 tokens
+    c.tail = 7;
+    c.gather_tokens = 1000;
+    cases.push_back(c);
+  }
+  {
+    GemmCase c = gemm_case(8, 4104, 136, Layout::kUniform, 40, none);  // 320 rows, 250 tokens
+    c.a_offset = 8;  // x = columns [8, 4112) of rows of 4120, out columns [8, 144) of rows of 144
+    c.a_pad = 16;
+    c.out_offset = 8;
+    c.out_pad = 8;
+    c.gather_tokens = 250;
+    cases.push_back(c);
+  }
+  {
+    GemmCase c = gemm_case(64, 200, 272, Layout::kUniform, 56, swiglu);  // 3584 rows, 4000 tokens
+    c.gather_tokens = 4000;
+    cases.push_back(c);
+  }
+  {
+    GemmCase c = gemm_case(8, 200, 264, Layout::kSkewed, 300, none, Fill::kIntegers);  // 2400 rows to one expert
+    c.gather_tokens = 1000;
+    cases.push_back(c);
+  }
+  {
+    GemmCase c = gemm_case(64, 4104, 144, Layout::kDecode, 8, swiglu);  // ~290 rows, 100 tokens
+    c.gather_tokens = 100;
+    cases.push_back(c);
+  }
+  uint32_t seed = 16000;
+  for (const GemmCase& c : cases) {
+    for (DType dtype : {DType::kBF16, DType::kFP16}) {
+      SCOPED_TRACE(describe(c, dtype));
+      GemmProblem p(c, dtype, seed++);
+      for_each_gemm_family([&] { check_gathered_run(p, nullptr); });
+      for_each_hopper_tile_shape([&] { check_gathered_run(p, nullptr); });
+    }
+  }
+}
+
+// moe_permute's own output as a_rows: permuted_token (the token of each row; -1 on the padding of
+// the align-16 / align-128 segments and past the last row) over x itself, against the GEMM on
+// moe_permute's permuted_x (bit for bit, same family) and the reference; the padding rows are 0,
+// the rows past expert_offsets[E] keep the poison.
+TEST(GpuMoeGemm, GatheredRowsFromMoePermute) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 17000;
+  for (int align : {16, 128}) {
+    for (MoeActivation act : {MoeActivation::kNone, MoeActivation::kSwiGLU}) {
+      const bool sw = act == MoeActivation::kSwiGLU;
+      const DType dtype = (align == 16) == sw ? DType::kFP16 : DType::kBF16;
+      const int tokens = 300, top_k = 4, experts = 64, k = 200;
+      const int n = sw ? 144 : 136, n_out = sw ? n / 2 : n;
+      SCOPED_TRACE("align " + std::to_string(align) + (sw ? " swiglu " : " store ") + dtype_name(dtype));
+      std::mt19937 rng(seed++);
+      std::vector<int32_t> ids(size_t(tokens) * top_k);
+      std::uniform_int_distribution<int> pick(0, experts / 2 - 1);  // the odd experts stay empty
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = i % 13 == 4 ? -1 : 2 * pick(rng);
+      const int64_t capacity = moe_permute_capacity(tokens, top_k, experts, align);
+      const ref::Permutation perm = ref::permute(ids.data(), tokens, top_k, experts, align, capacity);
+      const int64_t used = perm.offsets.back();
+      int64_t padding = 0;
+      for (int64_t r = 0; r < used; ++r) padding += perm.permuted_token[size_t(r)] < 0;
+      ASSERT_GT(padding, 0) << "no padding rows: the case does not test -1 entries inside the segments";
+      // Integer x (exact kStore), weights likewise for kStore, small random for SwiGLU.
+      std::vector<uint16_t> x_bits(size_t(tokens) * k), w_bits(size_t(experts) * n * k);
+      std::vector<float> w_vals(w_bits.size());
+      for (auto& b : x_bits) b = to_bits(float(int(rng() % 7) - 3), dtype);
+      std::uniform_real_distribution<float> small(-0.05f, 0.05f);
+      for (size_t i = 0; i < w_bits.size(); ++i) {
+        w_bits[i] = to_bits(sw ? small(rng) : float(int(rng() % 7) - 3), dtype);
+        w_vals[i] = from_bits(w_bits[i], dtype);
+      }
+      DeviceBuffer d_ids(ids.size() * 4), d_x(x_bits.size() * 2), d_px(size_t(capacity) * k * 2);
+      DeviceBuffer d_off(size_t(experts + 1) * 4), d_tok(size_t(capacity) * 4), d_inv(ids.size() * 4);
+      const size_t ws = moe_permute_workspace_bytes(tokens, top_k, experts);
+      DeviceBuffer d_ws(std::max<size_t>(ws, 256)), d_w(w_bits.size() * 2);
+      DeviceBuffer d_out(size_t(capacity) * n_out * 2), d_copy_out(size_t(capacity) * n_out * 2);
+      d_ids.upload(ids);
+      d_x.upload(x_bits);
+      d_w.upload(w_bits);
+      d_px.poison();  // rows past the last segment stay NaN: never read
+      MoePermuteArgs pa;
+      pa.topk_ids = TensorView::contiguous(d_ids.get(), DType::kInt32, {tokens, top_k});
+      pa.num_experts = experts;
+      pa.align = align;
+      pa.x = TensorView::contiguous(d_x.get(), dtype, {tokens, k});
+      pa.permuted_x = TensorView::contiguous(d_px.get(), dtype, {capacity, k});
+      pa.expert_offsets = TensorView::contiguous(d_off.get(), DType::kInt32, {experts + 1});
+      pa.permuted_token = TensorView::contiguous(d_tok.get(), DType::kInt32, {capacity});
+      pa.inverse = TensorView::contiguous(d_inv.get(), DType::kInt32, {tokens, top_k});
+      pa.workspace = d_ws.get();
+      pa.workspace_size = ws;
+      Stream stream;
+      moe_permute(pa, stream);
+      sync(stream, "moe_permute");
+      ASSERT_EQ(d_off.download<int32_t>(size_t(experts) + 1), perm.offsets);
+      ASSERT_EQ(d_tok.download<int32_t>(size_t(capacity)), perm.permuted_token);
+
+      MoeGroupedGemmArgs copy;  // on the permuted copy
+      copy.a = pa.permuted_x;
+      copy.weights = TensorView::contiguous(d_w.get(), dtype, {experts, n, k});
+      copy.expert_offsets = pa.expert_offsets;
+      copy.activation = act;
+      copy.out = TensorView::contiguous(d_copy_out.get(), dtype, {capacity, n_out});
+      MoeGroupedGemmArgs gathered = copy;  // on x through permuted_token
+      gathered.a = pa.x;
+      gathered.a_rows = pa.permuted_token;
+      gathered.out = TensorView::contiguous(d_out.get(), dtype, {capacity, n_out});
+
+      std::vector<float> a(size_t(used) * k, 0.f);  // padding rows zero
+      for (int64_t r = 0; r < used; ++r) {
+        const int32_t t = perm.permuted_token[size_t(r)];
+        for (int i = 0; t >= 0 && i < k; ++i) a[size_t(r) * k + i] = from_bits(x_bits[size_t(t) * k + i], dtype);
+      }
+      std::vector<double> want, naive;
+      ref::grouped_gemm(a.data(), used, k, w_vals.data(), experts, n, perm.offsets.data(), sw, want);
+      double naive_err = 0, scale = 0;
+      if (sw) {
+        ref::grouped_gemm_naive_lowp(a.data(), used, k, w_vals.data(), experts, n, perm.offsets.data(), true,
+                                     mantissa_bits(dtype), naive);
+        for (size_t i = 0; i < want.size(); ++i) {
+          naive_err = std::max(naive_err, std::fabs(naive[i] - want[i]));
+          scale = std::max(scale, std::fabs(want[i]));
+        }
+      }
+      for_each_gemm_family([&] {
+        d_out.poison();
+        d_copy_out.poison();
+        moe_grouped_gemm(copy, stream);
+        moe_grouped_gemm(gathered, stream);
+        sync(stream, "moe_grouped_gemm on permuted_x and with a_rows = permuted_token");
+        const auto got = d_out.download<uint16_t>(size_t(capacity) * n_out);
+        expect_same_bits(got, d_copy_out.download<uint16_t>(size_t(capacity) * n_out), n_out,
+                         "a_rows = permuted_token against the GEMM on permuted_x");
+        int64_t past_written = 0, padding_nonzero = 0;
+        for (int64_t i = used * n_out; i < capacity * n_out; ++i) past_written += got[size_t(i)] != kNaN16;
+        EXPECT_EQ(past_written, 0) << "rows past expert_offsets[E] written";
+        for (int64_t r = 0; r < used; ++r) {
+          if (perm.permuted_token[size_t(r)] >= 0) continue;
+          for (int j = 0; j < n_out; ++j) padding_nonzero += from_bits(got[size_t(r * n_out + j)], dtype) != 0.f;
+        }
+        EXPECT_EQ(padding_nonzero, 0) << "elements of the " << padding << " padding rows (permuted_token -1) not 0";
+        if (!sw) {
+          int64_t wrong = 0;
+          for (int64_t i = 0; i < used * n_out; ++i) wrong += got[size_t(i)] != to_bits(float(want[size_t(i)]), dtype);
+          EXPECT_EQ(wrong, 0) << "of " << used * n_out << " elements differ from the exact sums rounded";
+        } else {
+          std::vector<float> g(want.size());
+          for (size_t i = 0; i < want.size(); ++i) g[i] = output_value(got[i], dtype);
+          expect_within_rule(g, want, naive_err, 0x1p-16 * scale + 1e-7, "out");
+        }
+      });
+    }
+  }
+}
+
+// The gathered call captured in a CUDA graph and replayed after x and a_rows got new contents
+// (same offsets): bitwise what an eager call gives on those contents (a_rows is read when the
+// graph runs, not when it is captured).
+TEST(GpuMoeGemm, GatheredGraphReplayEqualsEager) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 18000;
+  std::vector<GemmCase> cases = {gemm_case(64, 200, 272, Layout::kPermuteAlign1, 6, MoeActivation::kSwiGLU),
+                                 gemm_case(128, 1032, 136, Layout::kDecode, 2, MoeActivation::kNone)};
+  cases[0].gather_tokens = 300;
+  cases[0].tail = 9;
+  cases[1].gather_tokens = 100;
+  for_each_gemm_family([&] {
+    for (const GemmCase& c : cases) {
+      for (DType dtype : {DType::kBF16, DType::kFP16}) {
+        SCOPED_TRACE(describe(c, dtype));
+        GemmProblem p(c, dtype, seed++);
+        Stream stream;
+        p.check(p.run_gathered(stream));
+        cudaGraph_t graph;
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        moe_grouped_gemm(p.gathered_args(), stream);
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        cudaGraphExec_t exec;
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        p.new_a();  // new x, new a_rows
+        const auto eager = p.run_gathered(stream);
+        p.check(eager);
+        p.poison_out();
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(p.download() == eager) << "graph replay differs from the eager run on the new x and a_rows";
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+    }
+  });
+}
+
+// a_rows' rules with real device buffers (tests/cpu/test_bad_input.cpp has the full table): a
+// valid gathered call whose x has fewer rows than out runs; refused calls name the argument and
+// write nothing.
+TEST(GpuMoeGemm, GatheredArgumentsAreValidated) {
+  TESSERA_REQUIRE_GPU();
+  const int rows = 64, tokens = 24, k = 72, n = 136, experts = 8;
+  DeviceBuffer x(size_t(tokens) * k * 2), w(size_t(experts) * n * k * 2), off(size_t(experts + 1) * 4);
+  DeviceBuffer out(size_t(rows) * n * 2), idx(size_t(rows) * 2 * 4);
+  off.upload(std::vector<int32_t>(size_t(experts) + 1, 0));
+  idx.upload(std::vector<int32_t>(size_t(rows) * 2, 0));
+  std::vector<int32_t> host_rows(size_t(rows), 0);
+  auto args = [&] {
+    MoeGroupedGemmArgs g;
+    g.a = TensorView::contiguous(x.get(), DType::kBF16, {tokens, k});
+    g.weights = TensorView::contiguous(w.get(), DType::kBF16, {experts, n, k});
+    g.expert_offsets = TensorView::contiguous(off.get(), DType::kInt32, {experts + 1});
+    g.out = TensorView::contiguous(out.get(), DType::kBF16, {rows, n});
+    g.a_rows = TensorView::contiguous(idx.get(), DType::kInt32, {rows});
+    return g;
+  };
+  auto call = [](const MoeGroupedGemmArgs& g) { return [g] { moe_grouped_gemm(g, nullptr); }; };
+  moe_grouped_gemm(args(), nullptr);  // the valid problem runs (every segment empty)
+  CUDA_OK(cudaDeviceSynchronize());
+  out.poison();
+  MoeGroupedGemmArgs g = args();
+  g.a_rows = TensorView::contiguous(idx.get(), DType::kFP32, {rows});
+  expect_arg_error("moe_grouped_gemm", call(g), {"a_rows"});
+  g = args();
+  g.a_rows = TensorView::contiguous(idx.get(), DType::kInt32, {rows, 1});
+  expect_arg_error("moe_grouped_gemm", call(g), {"a_rows"});
+  g = args();
+  g.a_rows = TensorView::strided(idx.get(), DType::kInt32, {rows}, {2});
+  expect_arg_error("moe_grouped_gemm", call(g), {"a_rows"});
+  g = args();
+  g.a_rows = TensorView::contiguous(host_rows.data(), DType::kInt32, {rows}, Device::kCPU);  // read on the device
+  expect_arg_error("moe_grouped_gemm", call(g), {"a_rows"});
+  g = args();
+  g.a_rows = TensorView::contiguous(idx.get(), DType::kInt32, {rows - 1});  // not out's rows
+  expect_arg_error("moe_grouped_gemm", call(g), {"out"});
+  g = args();
+  g.a_rows = TensorView::contiguous(out.get(), DType::kInt32, {rows});  // over out
+  expect_arg_error("moe_grouped_gemm", call(g), {"out"});
   const auto bits = out.download<uint16_t>(size_t(rows) * n);
   EXPECT_EQ(std::count(bits.begin(), bits.end(), kNaN16), int64_t(bits.size())) << "a refused call wrote";
 }
@@ -1361,10 +1797,20 @@ class FusedProblem {
   std::unique_ptr<DeviceBuffer> d_x_, d_w1_, d_w2_, d_logits_, d_bias_, d_ids_, d_weights_, d_sw1_, d_sw2_, d_out_, d_ws_;
 };
 
+// Both ways of feeding x's rows to the first GEMM (gathered in its loads, or copied by the
+// permutation: dispatch::fused_moe_rows picks by the layer's inter size), forced in turn; the
+// workspace is sized under each.
 void run_fused(const FusedCase& c, uint32_t seed) {
   SCOPED_TRACE(describe(c));
-  FusedProblem p(c, seed);
-  for_each_gemm_family([&] { p.check(p.run(nullptr)); });
+  struct Lift {
+    ~Lift() { dispatch::force_fused_moe_rows(nullptr); }
+  } lift;
+  for (const dispatch::FusedMoeRows rows : {dispatch::FusedMoeRows::kGather, dispatch::FusedMoeRows::kCopy}) {
+    SCOPED_TRACE(rows == dispatch::FusedMoeRows::kGather ? "x's rows gathered" : "x's rows copied");
+    dispatch::force_fused_moe_rows(&rows);
+    FusedProblem p(c, seed);
+    for_each_gemm_family([&] { p.check(p.run(nullptr)); });
+  }
 }
 
 // Mixtral-style: softmax top-2 of 8 experts from router_logits, renormalised.

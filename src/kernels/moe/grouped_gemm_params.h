@@ -25,7 +25,11 @@ struct GroupedGemmParams {
   void* out = nullptr;
   int64_t out_stride = 0;
   const int32_t* offsets = nullptr;  // [num_experts + 1]; nullptr: one expert owning rows [0, rows)
-  int64_t rows = 0;                  // rows of a and out (offsets[num_experts] <= rows)
+  int64_t rows = 0;                  // rows of the product and out (offsets[num_experts] <= rows)
+  // Gathered rows: product row r reads a's row a_row_index[r] ([rows], device; an entry outside
+  // [0, a_rows) reads zeros), a being [a_rows, k]; nullptr: row r reads a's row r (a_rows = rows).
+  const int32_t* a_row_index = nullptr;
+  int64_t a_rows = 0;
   int num_experts = 0;
   int n = 0, k = 0;                  // w's rows and the reduction length
   GemmEpilogue epilogue = GemmEpilogue::kStore;
@@ -41,7 +45,7 @@ constexpr int kMaxGemmExperts = 1024;
 
 // Hopper (sm_90a, TMA + wgmma): grouped_gemm_sm90.cu, in the build when TESSERA_HOPPER is on.
 // Needs k % 8 == 0, the row strides and the expert stride multiples of 8 elements, 16-byte
-// aligned bases.
+// aligned bases. Gathered rows: a's tile by the producer warpgroup's cp.async copies, w by TMA.
 void launch_grouped_gemm_sm90(const GroupedGemmParams& p, int num_sms, cudaStream_t stream);
 // Portable (sm_80+, mma.sync): grouped_gemm_sm80.cu. Same layout rules.
 void launch_grouped_gemm_sm80(const GroupedGemmParams& p, int num_sms, cudaStream_t stream);

@@ -12,7 +12,8 @@
 // m-tile counts from offsets (none: one expert owning every row) into shared memory, then walks
 // tile ids with a grid stride and finds a tile's expert by binary search. Segments may start at
 // any row: an m tile covers rows [offsets[e] + 128 i, +128) of its expert, and rows past the
-// segment's end load zeros and are not stored.
+// segment's end load zeros and are not stored. Gathered rows (a_row_index) are looked up once
+// per tile by the thread copying them.
 // SwiGLU: a tile's B rows are 64 gate rows and the 64 up rows of the same columns, and every warp
 // holds matching gate and up columns, so silu(gate) * up is formed in registers.
 // Not run on a GPU nor measured yet; its index math was checked by a lane-level host emulation.
@@ -175,7 +176,14 @@ struct TileLoader {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = row + i * kRowsPerPass;
-      a_row[i] = r < tile.rows ? a + (int64_t(tile.row0) + r) * p.a_stride + chunk * 8 : nullptr;
+      // Gathered rows: product row row0 + r reads a's row a_row_index[row0 + r]; one outside
+      // [0, a_rows) reads zeros.
+      int64_t source = r < tile.rows ? int64_t(tile.row0) + r : -1;
+      if (p.a_row_index != nullptr && source >= 0) {
+        source = p.a_row_index[source];
+        if (source >= p.a_rows) source = -1;
+      }
+      a_row[i] = source >= 0 ? a + source * p.a_stride + chunk * 8 : nullptr;
       const int wr = ColumnMap<kEpilogue>::w_row(p.n, n0, row + i * kRowsPerPass);
       w_row[i] = wr >= 0 ? w + wr * p.w_stride_row + chunk * 8 : nullptr;
     }

@@ -16,15 +16,21 @@
 // The SwiGLU epilogue reads the gate and up rows of the same output columns in one tile (two TMA
 // boxes per step) so that silu(g) * u is formed in registers (swapped: through shared memory,
 // the gate rows being one consumer's and the up rows the other's).
+// Gathered rows (a_row_index: moe_permute's permuted_token, so fused_moe needs no permuted copy of
+// x): a's tile cannot be one TMA box, and a box per row would be request-bound (the copy engine
+// serves about one box per 50 ns per SM: 128 rows a stage would take 6 us where the products take
+// ~0.7), so the producer warpgroup's four warps copy it with 16-byte cp.async (GatheredRows).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/once_per_device.h"
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/tensor_map_encode.h"
 #include "kernels/moe/grouped_gemm_params.h"
 #include "kernels/common/pack_half2.cuh"
@@ -40,9 +46,10 @@ namespace {
 using namespace tessera::kernels::sm90;
 
 template <bool kSwapT, int kTokenRowsT, int kWeightRowsT, int kStagesT, GemmEpilogue kEpilogueT,
-          bool kStoreViaSmemT = false>
+          bool kStoreViaSmemT, bool kGatherT>
 struct GemmSm90Config {
   static constexpr bool kSwap = kSwapT;             // wgmma's A operand is the weight tile
+  static constexpr bool kGather = kGatherT;         // a's rows through a_row_index (cp.async)
   // Not swapped: a consumer's 64 full rows go out through shared memory and TMA stores that run
   // on while it starts the next tile (partial row tiles: straight from registers).
   static constexpr bool kStoreViaSmem = kStoreViaSmemT;
@@ -61,7 +68,7 @@ struct GemmSm90Config {
   static_assert(kARows == 64 * kConsumers, "each consumer warpgroup owns 64 rows of wgmma's A");
   static_assert(kWeightBoxRows <= 256 && kTokenRows <= 256, "a TMA box is at most 256 rows");
   static_assert(!kSwap || !kSwiGLU || kWeightBoxRows == 64, "swapped SwiGLU: one consumer's gate rows, the other's up rows");
-  static constexpr int kProducerRegisters = 40;
+  static constexpr int kProducerRegisters = 40;  // (the gathering warps too, without spills: GatheredRows)
   static constexpr int kConsumerRegisters = 232;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
 };
@@ -73,6 +80,7 @@ struct GemmSm90Smem {
   using Tiles = GroupedTiles<C::kTokenRows, C::kThreads>;
   using OutTile = Sw128Tile<T, 64, C::kOutCols>;  // one consumer's rows of the output tile
   static constexpr int kStageBytes = XTile::kBytes + WTile::kBytes;
+  static constexpr int kTmaBytes = C::kGather ? WTile::kBytes : kStageBytes;  // what TMA brings a stage
   static constexpr int kOutOffset = C::kStages * kStageBytes;
   static constexpr int kOutBytes = C::kStoreViaSmem ? C::kConsumers * OutTile::kBytes : 0;
   // Swapped SwiGLU: the up consumer's accumulators for the gate consumer (padded rows: fewer bank
@@ -114,34 +122,99 @@ struct GemmSm90Params {
   int k_blocks;       // 64-wide K steps
 };
 
-// The producer warp: every tile's K steps, a's box and w's box (or gate and up boxes) per stage.
+// Gathered rows of a (C::kGather): the producer warpgroup's 128 threads copy a tile's K step,
+// kTokenRows rows of 128 bytes, into Sw128Tile's layout, each row by kThreadsPerRow threads (2 for
+// 64 and 128 rows, so a warp instruction reads 16 rows' 32-byte sectors; 4 for 32, 8 for 16) and
+// each thread kRowsPerThread rows (2 for 128, else 1). Chunk c of row r sits at r x 128 +
+// (c ^ r % 8) x 16 of the 1024-byte aligned tile. The rows are looked up once per tile; rows past
+// the segment (the next expert's, never stored), indices outside [0, a_rows) and K past k are
+// zero-filled by the copies themselves (no source bytes), so they read nothing. The copies land
+// on the stage's full barrier through one cp.async.mbarrier.arrive.noinc a thread; they write
+// through the generic proxy, so the consumers fence before their wgmma reads; and they refill a
+// stage whose last reader was wgmma, which the consumers released after its completion (wgmma
+// completion orders its reads before later generic writes, as in GatheredKVSm90).
+template <typename T, typename C>
+struct GatheredRows {
+  static constexpr int kThreads = 128;
+  static constexpr int kThreadsPerRow = C::kTokenRows >= 64 ? 2 : kThreads / C::kTokenRows;
+  static constexpr int kRowsPerThread = C::kTokenRows * kThreadsPerRow / kThreads;
+  static constexpr int kChunksPerRow = C::kBlockK / 8 / kThreadsPerRow;  // this thread's 16-byte chunks of a row
+  static constexpr int kRowStride = kThreads / kThreadsPerRow;
+  static_assert(kRowsPerThread * kRowStride == C::kTokenRows && kChunksPerRow >= 1, "the tile's rows and chunks");
+  // This thread's rows of a, or -1: zeros. (Indices, and addresses formed per K step by one
+  // XOR a copy: with per-row pointers and per-copy addresses held, the producer's 40 registers
+  // spilled 8-40 bytes.)
+  int index[kRowsPerThread];
+  int chunk0;
+
+  __device__ GatheredRows(const GemmSm90Params& p, const GroupedTile& t, int thread) : chunk0(thread % kThreadsPerRow) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int row = t.row0 + thread / kThreadsPerRow + kRowStride * i;
+      const int at = row < t.row_end ? p.base.a_row_index[row] : -1;
+      index[i] = at >= 0 && at < p.base.a_rows ? at : -1;
+    }
+  }
+  __device__ void copy(const GemmSm90Params& p, const typename GemmSm90Smem<T, C>::XTile& tile, int k0, int thread) const {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int row = thread / kThreadsPerRow + kRowStride * i;
+      // chunk0 < kThreadsPerRow (a power of two) and chunk j's offset is a multiple of it: c =
+      // chunk0 | kThreadsPerRow j, so (c ^ row % 8) x 16 = row's swizzle ^ chunk0 x 16 ^ an immediate.
+      const uint32_t dst = (smem_u32(tile.base) + row * 128 + (row % 8) * 16) ^ (chunk0 * 16);
+      const T* src = static_cast<const T*>(p.base.a) + int64_t(max(index[i], 0)) * p.base.a_stride + k0 + 8 * chunk0;
+#pragma unroll
+      for (int j = 0; j < kChunksPerRow; ++j) {
+        const int c = chunk0 + kThreadsPerRow * j;
+        const bool valid = index[i] >= 0 && k0 + 8 * c < p.base.k;  // k % 8 == 0: chunks wholly in or out
+        // Invalid: no source bytes, the address only has to be a legal one (a's base).
+        cp_async_16(dst ^ (kThreadsPerRow * j * 16), valid ? src + 8 * kThreadsPerRow * j : p.base.a, valid);
+      }
+    }
+  }
+};
+
+struct NoGatheredRows {
+  __device__ NoGatheredRows(const GemmSm90Params&, const GroupedTile&, int) {}
+};
+
+// The producer: every tile's K steps; warp 0 issues a's box and w's box (or gate and up boxes) per
+// stage by TMA, or with gathered rows w's boxes while all four warps copy a's rows.
 template <typename T, typename C>
 __device__ void gemm_producer(const GemmSm90Params& p, const GemmSm90Smem<T, C>& smem,
                               const typename GemmSm90Smem<T, C>::Tiles& tiles) {
   using Smem = GemmSm90Smem<T, C>;
-  const int lane = threadIdx.x % 32;
+  const int thread = threadIdx.x, lane = thread % 32;
+  const bool issuer = thread == 0;
   auto& bar = smem.barriers();
   RingPosition<C::kStages> ring;
-  if (lane == 0) {
-    prefetch_tensor_map(&p.x_map);
+  if (issuer) {
+    if constexpr (!C::kGather) prefetch_tensor_map(&p.x_map);
     prefetch_tensor_map(&p.w_map);
   }
-  GroupedTiles<C::kTokenRows, C::kThreads>::check_offsets(p.base.offsets, p.base.rows, p.base.num_experts, lane);
+  if (thread < 32) {
+    GroupedTiles<C::kTokenRows, C::kThreads>::check_offsets(p.base.offsets, p.base.rows, p.base.num_experts, lane);
+  }
   const int half_n = p.base.n / 2;
   for (int id = blockIdx.x; id < tiles.count(); id += gridDim.x) {
     const GroupedTile t = tiles.at(id);
+    [[maybe_unused]] const std::conditional_t<C::kGather, GatheredRows<T, C>, NoGatheredRows> rows(p, t, thread);
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       const int s = ring.stage;
       bar.empty[s].wait(ring.phase ^ 1);
-      if (lane == 0) {
-        Mbarrier* full = &bar.full[s];
-        full->arrive_expect_tx(Smem::kStageBytes);
-        const int k0 = kb * C::kBlockK;
-        tma_load_2d(&p.x_map, full, smem.x(s).base, k0, t.row0);
+      Mbarrier* full = &bar.full[s];
+      const int k0 = kb * C::kBlockK;
+      if (issuer) {
+        full->arrive_expect_tx(Smem::kTmaBytes);
+        if constexpr (!C::kGather) tma_load_2d(&p.x_map, full, smem.x(s).base, k0, t.row0);
         tma_load_3d(&p.w_map, full, smem.w(s).base, k0, t.col0, t.expert);
         if constexpr (C::kSwiGLU) {
           tma_load_3d(&p.w_map, full, smem.w(s).base + C::kWeightBoxRows * 128, k0, half_n + t.col0, t.expert);
         }
+      }
+      if constexpr (C::kGather) {
+        rows.copy(p, smem.x(s), k0, thread);
+        full->arrive_after_copies();
       }
       __syncwarp();
       ring.advance();
@@ -170,6 +243,8 @@ struct GemmConsumer {
     for (int kb = 0; kb < k_blocks; ++kb) {
       const int s = ring.stage;
       bar.full[s].wait(ring.phase);
+      // Gathered rows came through the generic proxy (cp.async): ordered before wgmma's reads.
+      if constexpr (C::kGather) fence_async_shared();
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k) {
@@ -337,7 +412,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) grouped_gemm_sm90_kernel(const
   if (threadIdx.x == 0) {
     auto& bar = smem.barriers();
     for (int s = 0; s < C::kStages; ++s) {
-      bar.full[s].init(1);
+      bar.full[s].init(C::kGather ? 1 + 128 : 1);  // the TMA issuer, and each copying thread's noinc arrival
       bar.empty[s].init(4 * C::kConsumers);  // one arrival per consumer warp
     }
     Mbarrier::fence_init();
@@ -348,7 +423,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) grouped_gemm_sm90_kernel(const
   const int warpgroup = warp_uniform(int(threadIdx.x / 128));
   if (warpgroup == 0) {
     warpgroup_registers_decrease<C::kProducerRegisters>();
-    if (threadIdx.x < 32) gemm_producer<T, C>(p, smem, tiles);
+    if (C::kGather || threadIdx.x < 32) gemm_producer<T, C>(p, smem, tiles);
   } else {
     warpgroup_registers_increase<C::kConsumerRegisters>();
     GemmConsumer<T, C> consumer(p, smem, warpgroup - 1);
@@ -393,7 +468,7 @@ void launch_config(const GroupedGemmParams& base, int num_sms, cudaStream_t stre
   p.k_blocks = (base.k + C::kBlockK - 1) / C::kBlockK;
   p.n_tiles = ((C::kSwiGLU ? base.n / 2 : base.n) + C::kOutCols - 1) / C::kOutCols;
   const DType dtype = base.dtype;
-  {
+  if constexpr (!C::kGather) {
     const uint64_t dims[2] = {uint64_t(base.k), uint64_t(std::max<int64_t>(base.rows, 1))};
     const uint64_t strides[1] = {uint64_t(base.rows <= 1 ? base.k : base.a_stride) * 2};
     const uint32_t box[2] = {C::kBlockK, C::kTokenRows};
@@ -441,15 +516,21 @@ int token_rows_for(const GroupedGemmParams& p) {
   return largest <= 16 ? 16 : largest <= 32 ? 32 : largest <= 64 ? 64 : 128;
 }
 
-template <typename T, GemmEpilogue kEpilogue>
-void launch_typed(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
+template <typename T, GemmEpilogue kEpilogue, bool kGather>
+void launch_shape(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
   const int rows = token_rows_for(p);
-  if (rows <= 16) launch_config<T, GemmSm90Config<true, 16, 128, 8, kEpilogue>>(p, num_sms, stream);
-  else if (rows <= 32) launch_config<T, GemmSm90Config<true, 32, 128, 8, kEpilogue>>(p, num_sms, stream);
-  else if (rows <= 64) launch_config<T, GemmSm90Config<true, 64, 128, 8, kEpilogue>>(p, num_sms, stream);
+  if (rows <= 16) launch_config<T, GemmSm90Config<true, 16, 128, 8, kEpilogue, false, kGather>>(p, num_sms, stream);
+  else if (rows <= 32) launch_config<T, GemmSm90Config<true, 32, 128, 8, kEpilogue, false, kGather>>(p, num_sms, stream);
+  else if (rows <= 64) launch_config<T, GemmSm90Config<true, 64, 128, 8, kEpilogue, false, kGather>>(p, num_sms, stream);
   // 3 stages: the output tiles take the fourth's shared memory (TMA-store epilogue with 3 stages
   // against registers with 4, same run: +5-29% on every compute-bound case; notes/moe.md).
-  else launch_config<T, GemmSm90Config<false, 128, 256, 3, kEpilogue, true>>(p, num_sms, stream);
+  else launch_config<T, GemmSm90Config<false, 128, 256, 3, kEpilogue, true, kGather>>(p, num_sms, stream);
+}
+
+template <typename T, GemmEpilogue kEpilogue>
+void launch_typed(const GroupedGemmParams& p, int num_sms, cudaStream_t stream) {
+  if (p.a_row_index != nullptr) launch_shape<T, kEpilogue, true>(p, num_sms, stream);
+  else launch_shape<T, kEpilogue, false>(p, num_sms, stream);
 }
 
 }  // namespace
