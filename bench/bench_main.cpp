@@ -928,14 +928,18 @@ int bench_moe_layer(const Args& a) {
     return 2;
   }
   const bool renormalize = arg(a, "renormalize", "true") == "true";
-  // x_rows=copy: moe_permute copies x's rows for the first GEMM (the ablation of the default gather).
-  const std::string x_rows = arg(a, "x_rows", "gather");
-  if (x_rows != "gather" && x_rows != "copy") {
-    std::fprintf(stderr, "tessera_bench: x_rows must be gather or copy, got '%s'\n", x_rows.c_str());
+  // x_rows=gather|copy forces how the first GEMM gets x's rows (the ablation); absent (auto),
+  // fused_moe's own rule (dispatch::fused_moe_rows).
+  const std::string x_rows_arg = arg(a, "x_rows", "auto");
+  if (x_rows_arg != "auto" && x_rows_arg != "gather" && x_rows_arg != "copy") {
+    std::fprintf(stderr, "tessera_bench: x_rows must be auto, gather or copy, got '%s'\n", x_rows_arg.c_str());
     return 2;
   }
-  const dispatch::FusedMoeRows rows_mode = x_rows == "copy" ? dispatch::FusedMoeRows::kCopy : dispatch::FusedMoeRows::kGather;
-  dispatch::force_fused_moe_rows(&rows_mode);
+  const dispatch::FusedMoeRows forced_rows =
+      x_rows_arg == "copy" ? dispatch::FusedMoeRows::kCopy : dispatch::FusedMoeRows::kGather;
+  dispatch::force_fused_moe_rows(x_rows_arg == "auto" ? nullptr : &forced_rows);
+  const std::string x_rows =
+      dispatch::fused_moe_rows(I) == dispatch::FusedMoeRows::kCopy ? "copy" : "gather";  // what runs
   const std::vector<float> logits = moe_router_logits(T, E, std::stoull(arg(a, "seed", "1")));
   Buffer d_logits(logits.size() * 4), x(size_t(T) * H * 2), out(size_t(T) * H * 2), ids(size_t(T) * top_k * 4),
       weights(size_t(T) * top_k * 4);
