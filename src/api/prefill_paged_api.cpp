@@ -119,7 +119,9 @@ void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& 
     p.partial_lse = workspace + int64_t(config.max_kv_splits) * rows * heads * d;
   }
   detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream);
-  if (!can_split) return;
+  // An unsplit step's kernels write o themselves and its merge would write nothing: an eager
+  // run() skips the launch (~3 us); a captured one keeps it for the later steps it replays.
+  if (!can_split || (!config.cuda_graph && planned_splits == 1)) return;
   // Partials [split, row, head, d] read as the merge's stacked [row, split, head, d].
   kernels::MergeStatesParams m;
   m.num_states = config.max_kv_splits;
