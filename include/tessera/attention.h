@@ -115,7 +115,7 @@ AttentionPath choose_prefill_paged_path(const PagedPrefillArgs& args);
 // says which). Measured on the H200 (notes/prefill_paged.md): 1.10-1.53x on 25 of 27 random
 // serving steps of 2-64 requests, even on the other two, 0.97-1.01x on uniform steps (which is why
 // they keep the other grid). The workspace must then be device memory, plan() costs the schedule
-// (~40 ns a work tile on the host) and one copy on its stream, and run()'s host index arrays must
+// (~8 ns a work tile on the host) and one copy on its stream, and run()'s host index arrays must
 // be the planned ones. Either grid computes the same tiles, splits and merge: bitwise equal on the
 // Hopper family; the portable step kernel differs from its one-tile kernel in the last bit of a
 // few elements (another kernel's instruction schedule), both within the tolerance rule.
