@@ -136,6 +136,14 @@ struct PagedPrefillConfig {
   // sizes the step's image in the workspace so that plan() can run steps whose requests differ on
   // the fixed grid too (see "The fixed grid in eager mode" above).
   int max_batch_size = 0;
+  // Batch invariance: every step splits each query tile's keys into exactly max_kv_splits runs
+  // (1: no split), whatever else the batch holds, and the portable family keeps one grid for every
+  // step (the one-tile grid in eager mode, the fixed grid with cuda_graph), so a request's output
+  // bits depend on its own tokens only, not on the other requests or the step's composition. The
+  // cost is the split the step would not have chosen: empty runs of short requests (each a tile
+  // start) and the merge on every step with max_kv_splits > 1, or no split on under-filled steps
+  // with max_kv_splits 1.
+  bool batch_invariant = false;
 };
 
 struct PagedPrefillPlanInfo {

@@ -156,6 +156,10 @@ class BatchPrefillPaged:
     plan() put steps whose requests differ (in query rows or keys) on the same fixed grid and
     longest-first schedule (1.10-1.53x on mixed serving steps on the H200); steps of equal
     requests keep the one-tile grid. last_plan().fixed_grid says which ran.
+
+    Batch invariance: PagedPrefillConfig(batch_invariant=True) splits every step into exactly
+    max_kv_splits runs (1: none) and keeps one grid on the portable family, so a request's output
+    bits do not depend on the other requests of its step.
     """
 
     def __init__(self, config: Any, workspace: Optional[Any] = None, device: Optional[int] = None) -> None:

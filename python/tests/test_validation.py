@@ -594,6 +594,15 @@ def test_batch_prefill_paged_cuda_graph_config():
     cfg.max_batch_size = 0
     expect_error(lambda: tessera.paged_prefill_workspace_bytes(cfg), "BatchPrefillPaged::workspace_bytes",
                  "max_batch_size", "with cuda_graph")
+    # Without cuda_graph, max_batch_size sizes the same image (the fixed grid in eager mode).
+    eager = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256,
+                                       max_batch_size=4)
+    assert tessera.paged_prefill_workspace_bytes(eager) == tessera.paged_prefill_workspace_bytes(
+        tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256,
+                                   cuda_graph=True, max_batch_size=4))
+    invariant = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=HEAD_DIM, page_size=16, max_q_rows=256,
+                                           batch_invariant=True)
+    assert invariant.batch_invariant is True and plain.batch_invariant is False
 
 
 @requires_no_gpu

@@ -341,6 +341,16 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // The split count (info_.kv_splits) and the family it is for (info_.path).
   [&] {
     const int forced = dispatch::forced_prefill_kv_splits();
+    if (config_.batch_invariant) {
+      // One split count for every step: a query tile's runs then depend on its own request only.
+      info_.kv_splits = capped(config_.max_kv_splits);
+      TESSERA_REQUIRE(check, info_.kv_splits == config_.max_kv_splits, "qo_indptr",
+                      "the step's requests x heads x query tiles of the longest request x max_kv_splits exceed "
+                      "the 2^31 list positions a step takes, so batch_invariant's split count cannot be kept");
+      const AttentionPath family = hopper_plans ? AttentionPath::kHopper : AttentionPath::kPortable;
+      info_.path = info_.kv_splits > 1 ? family : config_.path;
+      return;
+    }
     if (hopper_plans) {
       // The Hopper family splits by its cost model (plan/prefill_split.h). A grid of two tiles per
       // SM or more is never split: the model's gain there is within its error, and the estimate is
@@ -379,7 +389,10 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // one request's tile is the whole makespan, even), while steps of equal requests ran 0.97-1.01x
   // of it (their merge launch, and L2: the dynamic grid keeps a head's tiles together);
   // notes/prefill_paged.md.
-  info_.fixed_grid = fixed_ && (config_.cuda_graph || !uniform_step(host_qo_indptr, table, batch));
+  // (batch_invariant: the portable family's fixed-grid and one-tile kernels differ in the last bit,
+  // so its eager steps keep the one-tile grid; the Hopper family's two grids agree bitwise.)
+  const bool one_grid = config_.batch_invariant && !hopper_plans;
+  info_.fixed_grid = fixed_ && (config_.cuda_graph || (!one_grid && !uniform_step(host_qo_indptr, table, batch)));
   if (!info_.fixed_grid) {
     planned_ = true;
     return;

@@ -14,6 +14,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <iterator>
 #include <memory>
@@ -744,6 +745,119 @@ TEST(GpuPrefillPagedFixedGrid, EagerStepsMatchTheOneTileGrid) {
         if (path == AttentionPath::kHopper) {
           EXPECT_TRUE(bitwise_equal(results[0], results[1]))
               << "the fixed grid and the one-tile grid differ: " << first_difference(results[0], results[1]);
+        }
+      }
+    }
+  }
+}
+
+// ---- Batch invariance (config.batch_invariant) -------------------------------------------------------
+// One request (a 200-row chunk over 3000 keys: several query tiles, several KV tiles) run alone and
+// inside batches that would each get another split count, grid and schedule from the normal plan
+// (short decode-like requests; a 20K-key request; forty small ones; the request last instead of
+// first): its o and lse rows must be bitwise the same in every batch, for split counts 1 and 4, on
+// the one-tile grid and (max_batch_size) the eager fixed grid, on each family the GPU runs; and
+// within the tolerance rule of the reference alone.
+TEST(GpuPrefillPagedBatchInvariant, RequestBitsDoNotDependOnTheBatch) {
+  TESSERA_REQUIRE_GPU();
+  const int r_qo = 200, r_kv = 3000;
+  struct Batch {
+    std::vector<int> qo_len, kv_len;
+    int at;  // the request's place
+  };
+  std::vector<Batch> batches = {{{r_qo}, {r_kv}, 0},
+                                {{r_qo, 1, 1, 1, 1, 1, 1}, {r_kv, 100, 900, 2000, 64, 3000, 17}, 0},
+                                {{r_qo, 128}, {r_kv, 20000}, 0},
+                                {{1, 1, 64, r_qo}, {500, 4000, 64, r_kv}, 3}};
+  Batch many{{r_qo}, {r_kv}, 0};
+  for (int i = 0; i < 40; ++i) {
+    many.qo_len.push_back(1 + i % 5);
+    many.kv_len.push_back(10 + 97 * i);
+  }
+  batches.push_back(many);
+  PagedCase base;
+  pick_compiled(base.kv.head_dim, base.kv.dtype);
+  base.kv.num_kv_heads = 2;
+  base.num_qo_heads = 8;
+  base.causal = true;
+  // The request's own q and K / V, copied into its place in every batch.
+  PagedCase alone_case = base;
+  alone_case.qo_len = {r_qo};
+  alone_case.kv_len = {r_kv};
+  PagedProblem alone(alone_case, 1234);
+  const Expected want = alone.expected();
+  std::vector<std::unique_ptr<PagedProblem>> problems;
+  for (size_t b = 0; b < batches.size(); ++b) {
+    PagedCase c = base;
+    c.qo_len = batches[b].qo_len;
+    c.kv_len = batches[b].kv_len;
+    problems.push_back(std::make_unique<PagedProblem>(c, 4321 + static_cast<uint32_t>(b)));
+    PagedProblem& p = *problems.back();
+    const int at = batches[b].at;
+    for (int64_t pos = 0; pos < r_kv; ++pos) {
+      for (int h = 0; h < base.kv.num_kv_heads; ++h) {
+        std::copy_n(alone.kv.k_bits.begin() + alone.kv.offset(alone.kv.k_strides, 0, pos, h), base.kv.head_dim,
+                    p.kv.k_bits.begin() + p.kv.offset(p.kv.k_strides, at, pos, h));
+        std::copy_n(alone.kv.v_bits.begin() + alone.kv.offset(alone.kv.v_strides, 0, pos, h), base.kv.head_dim,
+                    p.kv.v_bits.begin() + p.kv.offset(p.kv.v_strides, at, pos, h));
+      }
+    }
+    const int64_t row0 = p.qo_indptr[size_t(at)];
+    std::copy_n(alone.q.bits.begin(), size_t(r_qo * alone.q.row_stride), p.q.bits.begin() + row0 * p.q.row_stride);
+    p.dkv.upload(p.kv);
+    p.dq.upload(p.q.bits);
+  }
+  // The request's o and lse rows of one run.
+  auto rows_of = [&](const Outputs& out, const PagedProblem& p, int at) {
+    const int64_t row0 = p.qo_indptr[size_t(at)], width = p.q.heads * p.q.dim;
+    std::vector<uint32_t> bits;
+    for (int64_t i = row0 * width; i < (row0 + r_qo) * width; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &out.o[size_t(i)], 4);
+      bits.push_back(b);
+    }
+    for (int64_t i = row0 * p.q.heads; i < (row0 + r_qo) * p.q.heads; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &out.lse[size_t(i)], 4);
+      bits.push_back(b);
+    }
+    return bits;
+  };
+  for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
+    if (path == AttentionPath::kHopper && !hopper_unavailable(base.kv.dtype, base.kv.head_dim).empty()) continue;
+    for (int splits : {1, 4}) {
+      for (bool bounded : {false, true}) {
+        SCOPED_TRACE(std::string(attention_path_name(path)) + " max_kv_splits " + std::to_string(splits) +
+                     (bounded ? " max_batch_size (fixed grid)" : " one-tile grid"));
+        std::vector<uint32_t> first;
+        for (size_t b = 0; b < batches.size(); ++b) {
+          PagedProblem& p = *problems[b];
+          PagedPrefillConfig cfg;
+          cfg.num_qo_heads = base.num_qo_heads;
+          cfg.head_dim = base.kv.head_dim;
+          cfg.page_size = base.kv.page_size;
+          cfg.max_q_rows = static_cast<int>(p.q.rows);
+          cfg.max_kv_splits = splits;
+          cfg.path = path;
+          cfg.causal = true;
+          cfg.batch_invariant = true;
+          cfg.max_batch_size = bounded ? static_cast<int>(batches[b].qo_len.size()) : 0;
+          DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
+          BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+          const PagedPrefillArgs a = p.args();
+          prefill.plan(a.host_qo_indptr, a.table);
+          EXPECT_EQ(prefill.last_plan().kv_splits, splits) << "batch " << b;
+          p.poison();
+          prefill.run(a, nullptr);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          const Outputs out = fetch(p.o, p.lse, p.out_shape());
+          const std::vector<uint32_t> bits = rows_of(out, p, batches[b].at);
+          if (b == 0) {
+            check_against(out, want, "the request alone");
+            first = bits;
+          } else {
+            EXPECT_TRUE(bits == first) << "batch " << b << ": the request's outputs depend on the batch";
+          }
         }
       }
     }
