@@ -216,6 +216,17 @@ struct PagedProblem {
   }
 };
 
+// A BatchPrefillPaged config for a case's heads, head dim and pages, holding q_rows query rows
+// (the callers set the rest).
+PagedPrefillConfig prefill_config(const PagedCase& c, int64_t q_rows) {
+  PagedPrefillConfig cfg;
+  cfg.num_qo_heads = c.num_qo_heads;
+  cfg.head_dim = c.kv.head_dim;
+  cfg.page_size = c.kv.page_size;
+  cfg.max_q_rows = static_cast<int>(q_rows);
+  return cfg;
+}
+
 // Runs a case and checks O and LSE against the fp64 reference.
 void run_case(const PagedCase& c, uint32_t seed) {
   SCOPED_TRACE(describe(c));
@@ -554,11 +565,7 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
     c.causal = sh.causal;
     SCOPED_TRACE(describe(c));
     PagedProblem p(c, seed++);
-    PagedPrefillConfig cfg;
-    cfg.num_qo_heads = c.num_qo_heads;
-    cfg.head_dim = c.kv.head_dim;
-    cfg.page_size = c.kv.page_size;
-    cfg.max_q_rows = static_cast<int>(p.q.rows);
+    PagedPrefillConfig cfg = prefill_config(c, p.q.rows);
     DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
     BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
     const PagedPrefillArgs a = p.args();
@@ -615,11 +622,7 @@ TEST(GpuPrefillPagedSplit, ForcedSplitCountsOnBothFamilies) {
     const Expected want_full = p.expected();
     for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
       if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty()) continue;
-      PagedPrefillConfig cfg;
-      cfg.num_qo_heads = c.num_qo_heads;
-      cfg.head_dim = c.kv.head_dim;
-      cfg.page_size = c.kv.page_size;
-      cfg.max_q_rows = static_cast<int>(p.q.rows);
+      PagedPrefillConfig cfg = prefill_config(c, p.q.rows);
       cfg.max_kv_splits = 64;
       cfg.path = path;
       DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
@@ -719,11 +722,7 @@ TEST(GpuPrefillPagedFixedGrid, EagerStepsMatchTheOneTileGrid) {
         SCOPED_TRACE(describe(c) + " " + attention_path_name(path));
         Outputs results[2];
         for (int bounded = 0; bounded < 2; ++bounded) {
-          PagedPrefillConfig cfg;
-          cfg.num_qo_heads = c.num_qo_heads;
-          cfg.head_dim = c.kv.head_dim;
-          cfg.page_size = c.kv.page_size;
-          cfg.max_q_rows = static_cast<int>(p.q.rows);
+          PagedPrefillConfig cfg = prefill_config(c, p.q.rows);
           cfg.path = path;
           cfg.causal = true;
           cfg.max_batch_size = bounded ? static_cast<int>(c.qo_len.size()) : 0;
@@ -832,11 +831,7 @@ TEST(GpuPrefillPagedBatchInvariant, RequestBitsDoNotDependOnTheBatch) {
         std::vector<uint32_t> first;
         for (size_t b = 0; b < batches.size(); ++b) {
           PagedProblem& p = *problems[b];
-          PagedPrefillConfig cfg;
-          cfg.num_qo_heads = base.num_qo_heads;
-          cfg.head_dim = base.kv.head_dim;
-          cfg.page_size = base.kv.page_size;
-          cfg.max_q_rows = static_cast<int>(p.q.rows);
+          PagedPrefillConfig cfg = prefill_config(base, p.q.rows);
           cfg.max_kv_splits = splits;
           cfg.path = path;
           cfg.causal = true;
@@ -960,11 +955,7 @@ TEST(GpuPrefillPagedGraph, CapturedRunReplaysAcrossSteps) {
       if (path == AttentionPath::kHopper && !hopper_unavailable(base.kv.dtype, base.kv.head_dim).empty()) continue;
       if (path == AttentionPath::kHopper && geo.smem_limit > 0) continue;  // needs more shared memory
       SCOPED_TRACE(describe(base) + " " + attention_path_name(path) + (geo.smem_limit ? " compact tiles" : ""));
-      PagedPrefillConfig cfg;
-      cfg.num_qo_heads = base.num_qo_heads;
-      cfg.head_dim = base.kv.head_dim;
-      cfg.page_size = base.kv.page_size;
-      cfg.max_q_rows = static_cast<int>(max_rows);
+      PagedPrefillConfig cfg = prefill_config(base, max_rows);
       cfg.path = path;
       cfg.causal = true;
       cfg.cuda_graph = true;
