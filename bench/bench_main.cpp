@@ -657,11 +657,15 @@ int bench_prefill_plan(const Args& a) {
   pcfg.max_batch_size = static_cast<int>(arg_int(a, "max_batch_size", std::to_string(batch).c_str()));
   Buffer split_ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(pcfg), 256));
   BatchPrefillPaged prefill(pcfg, split_ws.get(), split_ws.bytes());
-  // plan()'s host time: median of 50 calls on the same step (with cuda_graph: the schedule and
-  // the step's copy, waiting for the previous one), the GPU idle before (the inputs' fills done).
+  // plan()'s host time: median of 50 calls on the same step (on the fixed grid: the schedule and
+  // the enqueue of the step's copy), each after the previous call's copy has finished, as in a
+  // serving loop, where a step's plan() runs while the previous step's layers do and its copy
+  // finished when they started. (Back to back, a call would also wait out the previous copy's
+  // round trip, ~10-20 us, which no engine sees.)
   cuda_ok(cudaDeviceSynchronize(), "fills");
   std::vector<double> plan_us(50);
   for (double& us : plan_us) {
+    cuda_ok(cudaDeviceSynchronize(), "plan copy");
     const auto t0 = std::chrono::steady_clock::now();
     prefill.plan(qo_indptr.data(), device_table.table, nullptr);
     us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();

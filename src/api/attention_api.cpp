@@ -22,6 +22,12 @@ namespace {
 void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   check.tensor(a.k, "k", 3);
   check.tensor(a.v, "v", 3);
+  // Every input's own view rules before the overlap checks, which would otherwise charge a broken
+  // index array (one reaching past 2^63 bytes spans everything) to the output.
+  check.index_array(a.qo_indptr, "qo_indptr");
+  check.index_array(a.kv_indptr, "kv_indptr");
+  check.dtype(a.k, "k", {DType::kBF16, DType::kFP16});  // (q's own dtype is matched below)
+  check.dtype(a.v, "v", {DType::kBF16, DType::kFP16});
   // The outputs overlap no input: neither K / V nor the index arrays the kernel reads.
   detail::check_queries_and_outputs(check, a.q, a.o, a.lse,
                                     {{&a.k, "k"}, {&a.v, "v"}, {&a.qo_indptr, "qo_indptr"}, {&a.kv_indptr, "kv_indptr"}});
@@ -34,8 +40,6 @@ void validate(const detail::ArgCheck& check, const PrefillArgs& a) {
   check.head_config(a.q.size(1), a.k.size(1), a.q.size(2), dispatch::compiled_prefill_head_dims());
   check.vectorizable_rows(a.k, "k");
   check.vectorizable_rows(a.v, "v");
-  check.index_array(a.qo_indptr, "qo_indptr");
-  check.index_array(a.kv_indptr, "kv_indptr");
   TESSERA_REQUIRE(check, a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
   check.dim(a.kv_indptr, "kv_indptr", 0, a.qo_indptr.size(0), "qo_indptr's length");
   TESSERA_REQUIRE(check, a.host_qo_indptr != nullptr, "host_qo_indptr",
@@ -92,6 +96,13 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   check.kv_layout(c.layout, "cache.layout");
   check.tensor(c.k_pages, "k_pages", 4);
   check.tensor(c.v_pages, "v_pages", 4);
+  // The index arrays' own view rules before the overlap checks (as in validate()).
+  check.index_array(a.qo_indptr, "qo_indptr");
+  check.index_array(a.table.indptr, "kv_indptr");
+  check.index_array(a.table.indices, "kv_indices");
+  check.index_array(a.table.last_page_len, "kv_last_page_len");
+  check.dtype(c.k_pages, "k_pages", {DType::kBF16, DType::kFP16});  // (q's own dtype is matched below)
+  check.dtype(c.v_pages, "v_pages", {DType::kBF16, DType::kFP16});
   detail::check_queries_and_outputs(check, a.q, a.o, a.lse,
                                     {{&c.k_pages, "k_pages"}, {&c.v_pages, "v_pages"}, {&a.qo_indptr, "qo_indptr"},
                                      {&a.table.indptr, "kv_indptr"}, {&a.table.indices, "kv_indices"},
@@ -110,10 +121,6 @@ void validate_paged(const detail::ArgCheck& check, const PagedPrefillArgs& a) {
   check.page_strides_32bit(c.v_pages, "v_pages");
   detail::check_variant(check, a.window_left, a.scale, a.soft_cap);
 
-  check.index_array(a.qo_indptr, "qo_indptr");
-  check.index_array(a.table.indptr, "kv_indptr");
-  check.index_array(a.table.indices, "kv_indices");
-  check.index_array(a.table.last_page_len, "kv_last_page_len");
   TESSERA_REQUIRE(check, a.qo_indptr.size(0) >= 1, "qo_indptr", "must have batch_size + 1 >= 1 entries");
   const int64_t n = a.qo_indptr.size(0);
   check.dim(a.table.indptr, "kv_indptr", 0, n, "qo_indptr's length");

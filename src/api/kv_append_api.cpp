@@ -106,6 +106,12 @@ void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
   check.same_shape(k_new, "k_new", v_new, "v_new");
   check.vectorizable_rows(k_new, "k_new");
   check.vectorizable_rows(v_new, "v_new");
+  // The index arrays' own view rules before the overlap checks, which would otherwise charge a
+  // broken one (reaching past 2^63 bytes, it spans everything) to the pages.
+  check.index_array(table.indptr, "kv_indptr");
+  check.index_array(table.indices, "kv_indices");
+  check.index_array(table.last_page_len, "kv_last_page_len");
+  check.index_array(append_indptr, "append_indptr");
   // The pages (the outputs) overlap no input: not the new rows, not the index arrays read.
   for (const TensorView* page : {&cache.k_pages, &cache.v_pages}) {
     const char* name = page == &cache.k_pages ? "k_pages" : "v_pages";
@@ -117,10 +123,6 @@ void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
     check.disjoint(*page, name, append_indptr, "append_indptr");
   }
 
-  check.index_array(table.indptr, "kv_indptr");
-  check.index_array(table.indices, "kv_indices");
-  check.index_array(table.last_page_len, "kv_last_page_len");
-  check.index_array(append_indptr, "append_indptr");
   TESSERA_REQUIRE(check, table.indptr.size(0) >= 1, "kv_indptr", "must have batch_size + 1 >= 1 entries");
   const int64_t batch = table.batch_size();
   check.dim(table.last_page_len, "kv_last_page_len", 0, batch, "batch_size (kv_indptr size - 1)");

@@ -255,12 +255,17 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                     "(it copies the step from host memory)");
   }
   TESSERA_REQUIRE(check, host_qo_indptr != nullptr, "host_qo_indptr", "is required");
-  TESSERA_REQUIRE(check, table.host_indptr != nullptr && table.host_last_page_len != nullptr, "kv_indptr",
-                  "the host copies of kv_indptr and kv_last_page_len are required");
+  TESSERA_REQUIRE(check, table.host_indptr != nullptr, "host_indptr", "is required (the host copy of kv_indptr)");
+  TESSERA_REQUIRE(check, table.host_last_page_len != nullptr, "host_last_page_len",
+                  "is required (the host copy of kv_last_page_len)");
   TESSERA_REQUIRE(check, table.indptr.rank == 1 && table.indptr.size(0) >= 1, "kv_indptr",
                   "must be 1-D with batch_size + 1 >= 1 entries");
   const int64_t batch = table.batch_size();
   check.indptr_host(host_qo_indptr, batch + 1, "qo_indptr", config_.max_q_rows, /*exact_end=*/false);
+  // The page ids the table names lie inside kv_indices (plan() reads that many host ids).
+  if (table.indices.rank == 1) {
+    check.indptr_host(table.host_indptr, batch + 1, "kv_indptr", table.indices.size(0), /*exact_end=*/false);
+  }
   TESSERA_REQUIRE(check, num_pages >= -1, "num_pages", "must be >= 0 (the cache's pages) or -1 (not given)");
   const format::BsrLayout kv = format::bsr_from_page_table(config_.page_size, static_cast<int32_t>(batch),
                                                            table.host_indptr, table.host_indices,

@@ -53,11 +53,17 @@ struct AppendProblem {
     k_new = TensorView::contiguous(fake(6 << 20), DType::kBF16, {4, 4, 128});
     v_new = TensorView::contiguous(fake(7 << 20), DType::kBF16, {4, 4, 128});
   }
-  void run() {
+  const int32_t* host_append = nullptr;
+  void attach() {  // the host copies point at the vectors (edit their elements, not their size)
     table.host_indptr = indptr.data();
     table.host_indices = indices.data();
     table.host_last_page_len = last.data();
-    append_paged_kv(cache, table, append_indptr, k_new, v_new, nullptr, append.data());
+    host_append = append.data();
+  }
+  void call() { append_paged_kv(cache, table, append_indptr, k_new, v_new, nullptr, host_append); }
+  void run() {
+    attach();
+    call();
   }
 };
 
@@ -322,10 +328,14 @@ struct PrefillProblem {
     a.qo_indptr = TensorView::contiguous(fake(4 << 20), DType::kInt32, {3});
     a.kv_indptr = TensorView::contiguous(fake(5 << 20), DType::kInt32, {3});
   }
-  void run() {
+  void attach() {
     a.host_qo_indptr = qo.data();
     a.host_kv_indptr = kv.data();
-    batch_prefill(a, nullptr);
+  }
+  void call() { batch_prefill(a, nullptr); }
+  void run() {
+    attach();
+    call();
   }
 };
 
@@ -488,10 +498,10 @@ TEST(BadInputPrefill, IndptrAndLayoutRules) {
 
 // ---- The validation table: every entry point x every tensor argument x every view rule ------------
 // Each case starts from a valid problem, breaks one rule of one argument and expects a
-// tessera::Error naming the entry point and that argument (never a CUDA error: the refusal comes
-// before anything touches the GPU, so nothing is written). The rules (docs/CONVENTIONS.md,
-// "Errors and execution"): dtype, rank, null data, host memory, element alignment, a broadcast
-// (zero-stride) or overlapping output, and the extent.
+// tessera::Error from the entry point charged to that argument ("tessera::<entry>: argument
+// '<name>'"; never a CUDA error: the refusal comes before anything touches the GPU, so nothing is
+// written). The rules (docs/CONVENTIONS.md, "Errors and execution"): dtype, rank, null data, host
+// memory, element alignment, a broadcast (zero-stride) or overlapping output, and the extent.
 struct TableArg {
   const char* name;
   bool output;
@@ -520,12 +530,16 @@ struct PagedPrefillProblem {
     a.table.last_page_len = TensorView::contiguous(fake(7 << 20), DType::kInt32, {2});
     a.lse = TensorView::contiguous(fake(8 << 20), DType::kFP32, {9, 8});
   }
-  void run() {
+  void attach() {
     a.host_qo_indptr = qo.data();
     a.table.host_indptr = indptr.data();
     a.table.host_indices = indices.data();
     a.table.host_last_page_len = last.data();
-    batch_prefill_paged(a, nullptr);
+  }
+  void call() { batch_prefill_paged(a, nullptr); }
+  void run() {
+    attach();
+    call();
   }
 };
 
@@ -644,12 +658,102 @@ TEST(ValidationTable, EveryEntryPointNamesTheArgumentOfEveryBrokenViewRule) {
         if (view.rank == 0 || view.numel() == 0) continue;
         rule.apply(view);
         SCOPED_TRACE(std::string(e.entry) + " argument " + arg.name + ": " + rule.rule);
-        expect_error([&] { e.call(problem.get()); }, {std::string("tessera::") + e.entry, std::string("'") + arg.name + "'"});
+        expect_error([&] { e.call(problem.get()); }, {std::string("tessera::") + e.entry + ": argument '" + arg.name + "'"});
         ++cases;
       }
     }
   }
   EXPECT_GT(cases, 150);
+}
+
+// ---- The validation table, index-range rules -------------------------------------------------------
+// The host copies of the index arrays break one documented rule (docs/CONVENTIONS.md): an indptr
+// starts at 0, never decreases and ends inside the tensor it indexes (append_indptr: exactly at
+// k_new's rows); kv_last_page_len is in 1..page_size for a request with pages; page ids lie in
+// [0, num_pages) of the cache; the host copies are given. Each row expects a tessera::Error from the
+// entry point charged to the array, saying which rule, before any CUDA call. Rows the BadInput*
+// tests above already check are not repeated: batch_prefill's qo_indptr start, kv_indptr descent
+// and end, host_qo_indptr (BadInputPrefill.DtypesShapesAndIndptr, IndptrAndLayoutRules);
+// append_paged_kv's kv_indptr start and descent, append_indptr descent and end, kv_last_page_len,
+// page ids, host_indptr and host_append_indptr (BadInputAppend.*). batch_prefill_paged's rows are
+// here although GpuPrefillPagedBadInput checks some of them: that test needs a GPU. BatchDecoder
+// and BatchPrefillPaged query the GPU when they are made: their rows are GpuValidationTable.* in
+// tests/gpu/test_validation_table.cpp.
+struct IndexRow {
+  const char* entry;
+  const char* arg;     // the array the error is charged to
+  const char* rule;    // a fragment of the rule the error states
+  std::function<void(bool broken)> call;  // the valid problem, with the row's edit when broken
+};
+
+// A row over problem P (attach() / call(), as the structs above): `edit` breaks the attached host
+// copies in place.
+template <typename P>
+IndexRow index_row(const char* entry, const char* arg, const char* rule, std::function<void(P&)> edit) {
+  return {entry, arg, rule, [edit](bool broken) {
+            P p;
+            p.attach();
+            if (broken) edit(p);
+            p.call();
+          }};
+}
+
+std::vector<IndexRow> index_table() {
+  using PP = PrefillProblem;       // qo {0, 5, 9} over q's 9 rows, kv {0, 7, 20} over k's 20
+  using QP = PagedPrefillProblem;  // qo {0, 5, 9}, kv_indptr {0, 2, 3} over 3 ids of 8 pages of 16, last {16, 5}
+  using AP = AppendProblem;        // kv_indptr {0, 2, 3} over 3 ids, append {0, 3, 4} over k_new's 4 rows
+  using E = std::function<void(PP&)>;
+  using F = std::function<void(QP&)>;
+  using G = std::function<void(AP&)>;
+  return {
+      index_row<PP>("batch_prefill", "qo_indptr", "non-decreasing", E([](PP& p) { p.qo[1] = 10; })),
+      index_row<PP>("batch_prefill", "qo_indptr", "last entry 10 exceeds 9", E([](PP& p) { p.qo[2] = 10; })),
+      index_row<PP>("batch_prefill", "kv_indptr", "must start at 0", E([](PP& p) { p.kv[0] = 1; })),
+      index_row<PP>("batch_prefill", "host_kv_indptr", "is required", E([](PP& p) { p.a.host_kv_indptr = nullptr; })),
+
+      index_row<QP>("batch_prefill_paged", "qo_indptr", "must start at 0", F([](QP& p) { p.qo[0] = 1; })),
+      index_row<QP>("batch_prefill_paged", "qo_indptr", "non-decreasing", F([](QP& p) { p.qo[1] = 10; })),
+      index_row<QP>("batch_prefill_paged", "qo_indptr", "last entry 10 exceeds 9", F([](QP& p) { p.qo[2] = 10; })),
+      index_row<QP>("batch_prefill_paged", "kv_indptr", "must start at 0", F([](QP& p) { p.indptr[0] = 1; })),
+      index_row<QP>("batch_prefill_paged", "kv_indptr", "non-decreasing", F([](QP& p) { p.indptr[1] = 4; })),
+      index_row<QP>("batch_prefill_paged", "kv_indptr", "last entry 4 exceeds 3", F([](QP& p) { p.indptr[2] = 4; })),
+      index_row<QP>("batch_prefill_paged", "kv_last_page_len", "value 0 at index 1 is outside 1..16",
+                    F([](QP& p) { p.last[1] = 0; })),
+      index_row<QP>("batch_prefill_paged", "kv_last_page_len", "value 17 at index 0 is outside 1..16",
+                    F([](QP& p) { p.last[0] = 17; })),
+      index_row<QP>("batch_prefill_paged", "kv_indices", "page id 8 at index 1 is outside the cache's 8 pages",
+                    F([](QP& p) { p.indices[1] = 8; })),
+      index_row<QP>("batch_prefill_paged", "kv_indices", "page id -1 at index 2", F([](QP& p) { p.indices[2] = -1; })),
+      index_row<QP>("batch_prefill_paged", "host_qo_indptr", "is required", F([](QP& p) { p.a.host_qo_indptr = nullptr; })),
+      index_row<QP>("batch_prefill_paged", "host_indptr", "is required", F([](QP& p) { p.a.table.host_indptr = nullptr; })),
+      index_row<QP>("batch_prefill_paged", "host_indices", "is required", F([](QP& p) { p.a.table.host_indices = nullptr; })),
+      index_row<QP>("batch_prefill_paged", "host_last_page_len", "is required",
+                    F([](QP& p) { p.a.table.host_last_page_len = nullptr; })),
+
+      index_row<AP>("append_paged_kv", "kv_indptr", "last entry 4 exceeds 3", G([](AP& p) { p.indptr[2] = 4; })),
+      index_row<AP>("append_paged_kv", "append_indptr", "must start at 0", G([](AP& p) { p.append[0] = 1; })),
+      index_row<AP>("append_paged_kv", "host_indices", "is required", G([](AP& p) { p.table.host_indices = nullptr; })),
+      index_row<AP>("append_paged_kv", "host_last_page_len", "is required",
+                    G([](AP& p) { p.table.host_last_page_len = nullptr; })),
+  };
+}
+
+TEST(ValidationTable, EveryEntryPointNamesTheArrayOfEveryBrokenIndexRule) {
+  // As the view table: a rule missed would launch on the fake addresses where a GPU is visible.
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  (void)cudaGetLastError();
+  if (gpus > 0) GTEST_SKIP() << "fake device pointers: the validation table runs where no GPU is visible";
+  for (const IndexRow& row : index_table()) {
+    SCOPED_TRACE(std::string(row.entry) + " argument " + row.arg + ": " + row.rule);
+    try {  // unbroken, the row's problem passes validation (and stops at the first CUDA call)
+      row.call(false);
+    } catch (const Error& err) {
+      EXPECT_THAT(err.what(), ::testing::Not(HasSubstr("argument"))) << "the valid problem is refused";
+    }
+    expect_error([&] { row.call(true); },
+                 {std::string("tessera::") + row.entry + ": argument '" + row.arg + "'", row.rule});
+  }
 }
 
 }  // namespace
