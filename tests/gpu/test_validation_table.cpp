@@ -141,6 +141,28 @@ void check_index_rows(const std::vector<IndexRow>& rows, const HostTable& base,
   }
 }
 
+// Runs each view rule on each argument of `make()`'s valid arguments against `run`, which must
+// refuse it naming `entry` and the argument; o / lse must stay poisoned. Counts the cases run.
+template <typename A>
+void check_view_rows(const std::vector<ViewArg<A>>& args, const char* entry, const std::function<A()>& make,
+                     const std::function<void(const A&)>& run, const DeviceBuffer& o, const DeviceBuffer& lse,
+                     int& cases) {
+  cases = 0;
+  for (const ViewArg<A>& arg : args) {
+    for (const ViewRule& rule : view_rules()) {
+      if (rule.outputs_only && !arg.output) continue;
+      SCOPED_TRACE(std::string(entry) + " argument " + arg.name + ": " + rule.rule);
+      A a = make();
+      rule.apply(arg.view(a));
+      std::string what;
+      EXPECT_TRUE(charged([&] { run(a); }, entry, arg.name, "", what)) << "got: " << what;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_TRUE(all_poison(o) && all_poison(lse)) << "a rejected run() wrote o / lse";
+      ++cases;
+    }
+  }
+}
+
 // ---- BatchDecoder ----------------------------------------------------------------------------------
 // One decode step: 3 requests of 20, 5 and 40 keys in pages of 16 (9 pages, shuffled), 1 / 2 / 1
 // query tokens, 8 query heads over 2 KV heads; its decoder; o and lse poisoned.
@@ -226,19 +248,9 @@ TEST(GpuValidationTable, BatchDecoderNamesTheArgumentOfEveryBrokenViewRule) {
   }
   s.plan(s.host());
   int cases = 0;
-  for (const ViewArg<A>& arg : args) {
-    for (const ViewRule& rule : view_rules()) {
-      if (rule.outputs_only && !arg.output) continue;
-      SCOPED_TRACE(std::string("BatchDecoder::run argument ") + arg.name + ": " + rule.rule);
-      A a = s.run_args();
-      rule.apply(arg.view(a));
-      std::string what;
-      EXPECT_TRUE(charged([&] { s.run(a); }, "BatchDecoder::run", arg.name, "", what)) << "got: " << what;
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_TRUE(all_poison(s.o) && all_poison(s.lse)) << "a rejected run() wrote o / lse";
-      ++cases;
-    }
-  }
+  check_view_rows<A>(args, "BatchDecoder::run", [&] { return s.run_args(); }, [&](const A& a) { s.run(a); }, s.o,
+                     s.lse, cases);
+  if (HasFatalFailure()) return;
   EXPECT_EQ(cases, 6 * 6 + 2);
   s.run(s.run_args());  // the valid step runs and writes every row
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -384,20 +396,9 @@ TEST(GpuValidationTable, BatchPrefillPagedNamesTheArgumentOfEveryBrokenViewRule)
   }
   s.plan(h);
   int cases = 0;
-  for (const ViewArg<A>& arg : args) {
-    for (const ViewRule& rule : view_rules()) {
-      if (rule.outputs_only && !arg.output) continue;
-      SCOPED_TRACE(std::string("BatchPrefillPaged::run argument ") + arg.name + ": " + rule.rule);
-      A a = s.args(h);
-      rule.apply(arg.view(a));
-      std::string what;
-      EXPECT_TRUE(charged([&] { s.prefill.run(a, nullptr); }, "BatchPrefillPaged::run", arg.name, "", what))
-          << "got: " << what;
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_TRUE(all_poison(s.o) && all_poison(s.lse)) << "a rejected run() wrote o / lse";
-      ++cases;
-    }
-  }
+  check_view_rows<A>(args, "BatchPrefillPaged::run", [&] { return s.args(h); },
+                     [&](const A& a) { s.prefill.run(a, nullptr); }, s.o, s.lse, cases);
+  if (HasFatalFailure()) return;
   EXPECT_EQ(cases, 9 * 6 + 2);
   s.prefill.run(s.args(h), nullptr);  // the valid step runs and writes every row
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
