@@ -1,6 +1,9 @@
 // CPU cost of DecodePlanner::plan for a serving step (targets: < 20 us for 256 requests, < 50 us
-// for 1024). Prints one JSON object per case. No GPU needed: the planner is pure C++. The capacity
-// is the H200's at hd128 (132 SMs, two CTAs per SM, the one-CTA-per-SM shape available).
+// for 1024), and of the fixed-grid paged prefill's static schedule (plan/prefill_schedule.h, the
+// part of BatchPrefillPaged::plan that grows with the step's tiles). Prints one JSON object per
+// case. No GPU needed: the planners are pure C++. The capacity is the H200's at hd128 (132 SMs,
+// two CTAs per SM, the one-CTA-per-SM shape available; the Hopper prefill's 128 x 128 tiles, one
+// slot per SM).
 //   tessera_plan_bench [iterations] [case-filter]   (only the cases whose name contains the filter)
 #include <algorithm>
 #include <chrono>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "plan/decode_plan.h"
+#include "plan/prefill_schedule.h"
 
 using namespace tessera;
 
@@ -76,6 +80,59 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
               kv_heads, planner.plan(bsr, t.qo.data()).chunk_tokens, planner.plan(bsr, t.qo.data()).estimated_us);
 }
 
+
+// One prefill step: qo_lens[i] new rows over kv_lens[i] keys (history included), pages of 16.
+void run_schedule(const char* name, const std::vector<int32_t>& qo_lens, const std::vector<int32_t>& kv_lens,
+                  int iterations, int heads = 32) {
+  if (std::string(name).find(g_filter) == std::string::npos) return;
+  std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, last;
+  for (size_t i = 0; i < qo_lens.size(); ++i) {
+    const int32_t pages = (kv_lens[i] + 15) / 16;
+    qo_indptr.push_back(qo_indptr.back() + qo_lens[i]);
+    kv_indptr.push_back(kv_indptr.back() + pages);
+    last.push_back(pages ? kv_lens[i] - (pages - 1) * 16 : 0);
+  }
+  plan::PrefillScheduleProblem p;
+  p.qo_indptr = qo_indptr.data();
+  p.kv_indptr = kv_indptr.data();
+  p.last_page_len = last.data();
+  p.page_size = 16;
+  p.batch = int64_t(qo_lens.size());
+  p.num_qo_heads = heads;
+  p.block_m = 128;
+  p.block_n = 128;
+  p.causal = true;
+  p.slots = 132;
+  std::vector<int32_t> slot_begin(size_t(p.slots) + 1), positions(size_t(plan::prefill_schedule_tiles(p)));
+  plan::PrefillScheduleScratch scratch;
+  std::vector<double> us(iterations);
+  plan::PrefillScheduleResult res;
+  for (int i = 0; i < iterations; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    res = plan::schedule_prefill(p, slot_begin.data(), positions.data(), scratch);
+    us[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  }
+  std::nth_element(us.begin(), us.begin() + iterations / 2, us.end());
+  std::printf("{\"suite\": \"prefill_schedule\", \"case\": \"%s\", \"metric\": \"us\", \"tessera\": %.3f, "
+              "\"tiles\": %lld, \"requests\": %zu, \"heads\": %d, \"slots\": %d, \"makespan\": %.0f, "
+              "\"lower_bound\": %.1f}\n",
+              name, us[iterations / 2], static_cast<long long>(res.tiles), qo_lens.size(), heads, p.slots, res.makespan,
+              std::max(res.longest, res.total / p.slots));
+}
+
+// The prefill_plan suite's serving steps (bench/cases/prefill_plan.json): `chunks` prefill chunks
+// of `chunk` rows spread through `requests` requests, the rest decode-like (1 row); histories
+// uniform in [lo, hi).
+void run_serving(const char* name, int requests, int chunks, int chunk, int lo, int hi, int iterations,
+                 std::mt19937& rng) {
+  std::vector<int32_t> qo, kv;
+  for (int i = 0; i < requests; ++i) {
+    qo.push_back(i % (requests / chunks) == 0 ? chunk : 1);
+    kv.push_back(std::uniform_int_distribution<int32_t>(lo, hi - 1)(rng) + (qo.back() > 1 ? chunk : 0));
+  }
+  run_schedule(name, qo, kv, iterations);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,6 +184,19 @@ int main(int argc, char** argv) {
     std::printf("{\"suite\": \"plan\", \"case\": \"page_id_range_%lld\", \"metric\": \"us\", \"tessera\": %.3f, "
                 "\"pages\": %lld, \"sink\": %lld}\n",
                 static_cast<long long>(pages), us[iterations / 2], static_cast<long long>(pages), static_cast<long long>(sink));
+  }
+  // The fixed-grid prefill schedule: the serving steps of the plan-time targets, and random
+  // steps of 64 requests (chunks of 1-1024 rows over histories of 0-32K).
+  run_serving("prefill_serving_b256", 256, 16, 256, 256, 8192, iterations, rng);
+  run_serving("prefill_serving_b1024", 1024, 16, 512, 128, 4096, iterations, rng);
+  for (int step = 0; step < 4; ++step) {
+    std::vector<int32_t> qo, kv;
+    for (int i = 0; i < 64; ++i) {
+      const bool decode = rng() % 2 == 0;
+      qo.push_back(decode ? 1 : 1 + int32_t(rng() % 1024));
+      kv.push_back(qo.back() + int32_t(rng() % 32768));
+    }
+    run_schedule(("prefill_random_b64_" + std::to_string(step)).c_str(), qo, kv, iterations);
   }
   return 0;
 }

@@ -159,7 +159,7 @@ struct BatchPrefillPaged::FixedGrid {
   cudaEvent_t copied = nullptr;
   int device = -1;                              // the GPU the grids and schedule are for
   AttentionPath family = AttentionPath::kAuto;  // the family the last schedule was made for
-  std::vector<int64_t> scratch;                 // the scheduler's
+  plan::PrefillScheduleScratch scratch;         // the scheduler's
   plan::PrefillScheduleResult schedule;
   bool captured = false;
   int64_t q_rows = INT64_MAX, kv_indices_len = INT64_MAX, cache_pages = INT64_MAX;

@@ -17,11 +17,47 @@ int request_keys(const PrefillScheduleProblem& pr, int64_t r) {
   return static_cast<int>(std::clamp<int64_t>(keys, 0, int64_t(1) << 30));
 }
 
-// (request, m_tile, split) with its cost; every query head of it costs the same.
-struct Group {
-  int64_t cost;  // KV tiles + kTileStartCost
-  int32_t request, m_tile, split;
-};
+// A group is (request, m_tile, split): its query heads are equal tiles. Sorted as one key, cost
+// descending then first position ascending (the list order, so equal costs stay in list order):
+// (~cost) << 31 | first, with cost < 2^32 (keys < 2^30, block_n >= 1) and first < 2^31.
+constexpr int kFirstBits = 31;
+uint64_t group_key(int64_t cost, int64_t first) {
+  return (uint64_t(~uint32_t(cost)) << kFirstBits) | uint64_t(first);
+}
+int64_t group_cost(uint64_t key) { return int64_t(~uint32_t(key >> kFirstBits)); }
+int64_t group_first(uint64_t key) { return int64_t(key & ((uint64_t(1) << kFirstBits) - 1)); }
+
+// Slot keys: load x 1024 + slot (loads are whole KV tiles; slots < 1024), so the least loaded slot
+// is the smallest key and ties go to the lower slot.
+constexpr int64_t kSlotBits = 10;
+constexpr int64_t kSlotMask = (int64_t(1) << kSlotBits) - 1;
+constexpr int64_t kNone = INT64_MAX;  // a queue's end: never the smaller front
+
+
+// The groups longest first, equal costs in list order (the order they were listed in): a
+// counting sort by cost where the costs span a short range (every serving step: costs are KV
+// tiles), else a comparison sort of the keys.
+const std::vector<uint64_t>& sort_groups(PrefillScheduleScratch& scratch) {
+  std::vector<uint64_t>& groups = scratch.groups;
+  if (groups.empty()) return groups;
+  int64_t low = group_cost(groups[0]), high = low;
+  for (const uint64_t key : groups) {
+    low = std::min(low, group_cost(key));
+    high = std::max(high, group_cost(key));
+  }
+  const int64_t range = high - low + 1;
+  if (range > 4 * int64_t(groups.size()) + 64) {
+    std::sort(groups.begin(), groups.end());
+    return groups;
+  }
+  std::vector<int32_t>& bucket = scratch.bucket;  // bucket[c]: where cost high - c starts
+  bucket.assign(size_t(range) + 1, 0);
+  for (const uint64_t key : groups) ++bucket[size_t(high - group_cost(key)) + 1];
+  for (size_t c = 1; c < bucket.size(); ++c) bucket[c] += bucket[c - 1];
+  scratch.sorted_groups.resize(groups.size());
+  for (const uint64_t key : groups) scratch.sorted_groups[size_t(bucket[size_t(high - group_cost(key))]++)] = key;
+  return scratch.sorted_groups;
+}
 
 }  // namespace
 
@@ -35,12 +71,14 @@ int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
 }
 
 PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t* slot_begin, int32_t* positions,
-                                       std::vector<int64_t>& scratch) {
+                                       PrefillScheduleScratch& scratch) {
   PrefillScheduleResult res;
   int max_qo = 0;
   for (int64_t r = 0; r < pr.batch; ++r) max_qo = std::max(max_qo, pr.qo_indptr[r + 1] - pr.qo_indptr[r]);
   const int64_t m_tiles = (int64_t(max_qo) + pr.block_m - 1) / pr.block_m;
-  std::vector<Group> groups;
+  const int64_t heads = pr.num_qo_heads, head_stride = m_tiles * pr.kv_splits;
+  std::vector<uint64_t>& groups = scratch.groups;
+  groups.clear();
   for (int64_t r = 0; r < pr.batch; ++r) {
     const int qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
     const int kv = request_keys(pr, r);
@@ -48,71 +86,136 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
       const int64_t kv_tiles = query_tile_kv_tiles(qo, kv, pr.causal, pr.window_left, m0, pr.block_m, pr.block_n);
       // The kernels' runs: equal, the last shorter, some possibly empty.
       const int64_t per_split = (kv_tiles + pr.kv_splits - 1) / pr.kv_splits;
+      const int64_t first = (r * heads * m_tiles + m) * pr.kv_splits;
       for (int s = 0; s < pr.kv_splits; ++s) {
         const int64_t run = std::clamp<int64_t>(kv_tiles - s * per_split, 0, per_split);
-        groups.push_back({kTileStartCost + run, static_cast<int32_t>(r), m, s});
+        groups.push_back(group_key(kTileStartCost + run, first + s));
       }
     }
   }
-  // Longest first; equal costs in list order (deterministic).
-  std::stable_sort(groups.begin(), groups.end(), [](const Group& a, const Group& b) { return a.cost > b.cost; });
-  // The least loaded slot next (ties: the lower slot), as keys load x 1024 + slot (loads are
-  // whole KV tiles; slots < 1024). A group's heads are equal tiles, so the slots they take come
-  // from two sorted queues: the slots by key before the group (`sorted`), and the ones it has
-  // already loaded, in the order it loaded them (`loaded`: picks come in increasing key order, so
-  // their new keys do too). The next head takes the smaller front; after the group one merge
-  // restores the order. The same assignment as a min-heap of the keys (checked on 1080 steps), at
-  // O(heads + slots) a group in place of a sift-down a tile (9760 tiles: 384 -> 81 us on a 2-core
-  // VM, where the heap's data-dependent branches cost ~40 ns a tile).
-  constexpr int64_t kSlotBits = 10;
-  constexpr int64_t kSlotMask = (int64_t(1) << kSlotBits) - 1;
-  constexpr int64_t kNone = INT64_MAX;  // each queue's end: never the smaller front
-  const size_t slots = size_t(pr.slots), heads = size_t(pr.num_qo_heads);
-  std::vector<int64_t> sorted(slots + 1), loaded(heads + 1), merged(slots + 1);
+  const std::vector<uint64_t>& order = sort_groups(scratch);
+  const int64_t tiles = int64_t(order.size()) * heads;
+  const size_t slots = size_t(pr.slots);
+  // LPT, every tile to the least loaded slot, taken a batch of equal costs at a time. Within a
+  // batch (cost c) the picks come from two sorted queues: the slots not yet taken, by key
+  // (`sorted`), and the ones the batch has loaded, in the order it loaded them (`loaded`: each pick
+  // is the smallest key, and each loaded key is a pick + c, so they come in increasing order and
+  // span less than c). The next tile takes the smaller front, a run at a time: from `sorted` while
+  // its keys lie below `loaded`'s front, from `loaded` while below `sorted`'s. Once `sorted`'s front
+  // lies past the last loaded key, the picks cycle through `loaded` in its order, round after round,
+  // until a round would pass that front: those rounds are one phase (the loaded keys + rounds x c,
+  // their order kept). After the batch one merge in place restores `sorted`. The same assignment
+  // as a min-heap of the keys tile by tile (tests/cpu/test_prefill_schedule.cpp checks it), at
+  // O(slots) a batch and a few instructions a tile, where a merge per group and a branch-free pick
+  // per tile cost ~10 ns a tile (notes/prefill_paged.md, "Plan time").
+  std::vector<int64_t>& keys = scratch.keys;
+  const size_t ring = 2 * slots + 2;  // `loaded`: live entries <= slots; a run appends <= slots
+  keys.resize(slots + 1 + ring);
+  int64_t* sorted = keys.data();
+  int64_t* loaded = sorted + slots + 1;
   for (size_t s = 0; s < slots; ++s) sorted[s] = int64_t(s);  // loads 0, slots ascending
   sorted[slots] = kNone;
-  const int64_t tiles = int64_t(groups.size()) * pr.num_qo_heads;
-  scratch.resize(size_t(tiles));  // the slot of each tile, in assignment order
-  int64_t* slot_of = scratch.data();
-  for (const Group& g : groups) {
-    const int64_t step = g.cost << kSlotBits;
-    size_t next_sorted = 0, next_loaded = 0;
-    loaded[0] = kNone;
-    // Branch-free: the smaller front by a select (the two queues' turns are data-dependent).
-    for (size_t h = 0; h < heads; ++h) {
-      const int64_t a = sorted[next_sorted], b = loaded[next_loaded];
-      const bool from_sorted = a < b;
-      const int64_t key = (from_sorted ? a : b) + step;
-      next_sorted += from_sorted;
-      next_loaded += !from_sorted;
-      loaded[h] = key;
-      loaded[h + 1] = kNone;
-      *slot_of++ = key & kSlotMask;
+  std::vector<PrefillSchedulePhase>& phases = scratch.phases;
+  phases.clear();
+  scratch.phase_slots.resize(size_t(tiles));
+  int32_t* phase_slot = scratch.phase_slots.data();
+  std::vector<int32_t>& counts = scratch.counts;
+  counts.assign(slots, 0);
+  int64_t tile = 0;
+  for (size_t g = 0; g < order.size();) {
+    const int64_t cost = group_cost(order[g]);
+    size_t end = g + 1;
+    while (end < order.size() && group_cost(order[end]) == cost) ++end;
+    int64_t left = int64_t(end - g) * heads;  // the batch's tiles
+    res.longest = std::max(res.longest, double(cost));
+    res.total += double(cost) * double(left);
+    g = end;
+    const int64_t step = cost << kSlotBits;
+    size_t taken = 0, front = 0, back = 0;  // sorted[taken ..) not taken; loaded[front .. back) live
+    while (left > 0) {
+      const int64_t a = sorted[taken];  // kNone once every slot is taken
+      const size_t live = back - front;
+      int64_t n = 1, rounds = 1;
+      if (live > 0 && a > loaded[back - 1] && left >= int64_t(live)) {
+        // Whole rounds through `loaded` before `sorted`'s front: round i's last pick is the last
+        // loaded key + i x c.
+        const int64_t gap = a == kNone ? kNone : (a - loaded[back - 1] - 1) / step + 1;
+        n = int64_t(live);
+        rounds = std::min(left / n, gap);
+        for (size_t i = front; i < back; ++i) {
+          const int32_t slot = static_cast<int32_t>(loaded[i] & kSlotMask);
+          *phase_slot++ = slot;
+          counts[size_t(slot)] += static_cast<int32_t>(rounds);
+          loaded[i] += rounds * step;
+        }
+      } else {
+        if (back + slots > ring) {  // room for a run: the live entries to the start
+          std::copy(loaded + front, loaded + back, loaded);
+          back = live;
+          front = 0;
+        }
+        const bool from_sorted = live == 0 || a < loaded[front];
+        // A run from `sorted` (its keys below `loaded`'s front; with nothing loaded, below the
+        // first pick's) or from `loaded` (below `sorted`'s front, at most one round).
+        const int64_t* from = from_sorted ? sorted + taken : loaded + front;
+        const int64_t below = from_sorted ? (live > 0 ? loaded[front] : a + step) : a;
+        const int64_t most = std::min<int64_t>(left, from_sorted ? int64_t(slots - taken) : int64_t(live));
+        n = std::max<int64_t>(1, std::lower_bound(from, from + most, below) - from);  // (`from` is sorted)
+        for (int64_t i = 0; i < n; ++i) loaded[back + size_t(i)] = from[i] + step;
+        for (int64_t i = 0; i < n; ++i) phase_slot[i] = static_cast<int32_t>(from[i] & kSlotMask);
+        for (int64_t i = 0; i < n; ++i) ++counts[size_t(phase_slot[i])];
+        phase_slot += n;
+        back += size_t(n);
+        (from_sorted ? taken : front) += size_t(n);
+      }
+      phases.push_back({static_cast<int32_t>(tile), static_cast<int32_t>(n), static_cast<int32_t>(rounds)});
+      tile += n * rounds;
+      left -= n * rounds;
     }
-    // The slots not taken (sorted's rest) with the ones taken (loaded's rest), in key order.
-    // (std::merge: the taken keys mostly land after the rest, so its branch predicts well; a
-    // branch-free merge measured 1.8x slower, its loads chained through the two cursors.)
-    std::merge(sorted.begin() + std::ptrdiff_t(next_sorted), sorted.begin() + std::ptrdiff_t(slots),
-               loaded.begin() + std::ptrdiff_t(next_loaded), loaded.begin() + std::ptrdiff_t(heads), merged.begin());
-    merged[slots] = kNone;
-    sorted.swap(merged);
-    res.longest = std::max(res.longest, double(g.cost));
-    res.total += double(g.cost) * pr.num_qo_heads;
+    if (taken == 0) continue;  // (a batch without tiles: heads 0)
+    // The slots not taken (sorted[taken ..)) with the loaded ones, in key order, in place: the
+    // output lags the rest's cursor by the loaded keys not yet placed, so nothing is overwritten
+    // before it is read, and once they are placed the rest is where it belongs.
+    if (taken == slots || sorted[slots - 1] < loaded[front]) {  // the loaded keys all come last
+      std::copy(sorted + taken, sorted + slots, sorted);
+      std::copy(loaded + front, loaded + back, sorted + (slots - taken));
+    } else {
+      size_t out = 0, rest = taken;
+      while (front < back) sorted[out++] = sorted[rest] < loaded[front] ? sorted[rest++] : loaded[front++];
+    }
   }
-  res.makespan = pr.slots > 0 ? double(sorted[slots - 1] >> kSlotBits) : 0.0;  // the most loaded slot
-  // Each slot's tiles in assignment order: a counting sort by slot, the positions recomputed in
-  // the same group order.
-  std::fill(slot_begin, slot_begin + pr.slots + 1, 0);
-  for (int64_t t = 0; t < tiles; ++t) ++slot_begin[scratch[size_t(t)] + 1];
-  for (int s = 0; s < pr.slots; ++s) slot_begin[s + 1] += slot_begin[s];
-  std::vector<int32_t> next(slot_begin, slot_begin + pr.slots);
-  int64_t t = 0;
-  for (const Group& g : groups) {
-    const int64_t first = (int64_t(g.request) * pr.num_qo_heads * m_tiles + g.m_tile) * pr.kv_splits + g.split;
-    const int64_t head_stride = m_tiles * pr.kv_splits;
-    for (int h = 0; h < pr.num_qo_heads; ++h, ++t) {
-      positions[next[size_t(scratch[size_t(t)])]++] = static_cast<int32_t>(first + h * head_stride);
+  res.makespan = slots > 0 ? double(sorted[slots - 1] >> kSlotBits) : 0.0;  // the most loaded slot
+  // Each slot's tiles in pick order: the lists laid out by the counts, each phase's tiles placed
+  // slot by slot (a slot's tiles of one phase are every `slots`-th tile of it).
+  slot_begin[0] = 0;
+  for (size_t s = 0; s < slots; ++s) {
+    slot_begin[s + 1] = slot_begin[s] + counts[s];
+    counts[s] = slot_begin[s];  // the slot's next free place
+  }
+  scratch.tile_position.resize(size_t(tiles));
+  int32_t* position = scratch.tile_position.data();
+  const int32_t heads32 = static_cast<int32_t>(heads), head_stride32 = static_cast<int32_t>(head_stride);
+  for (const uint64_t key : order) {
+    const int32_t first = static_cast<int32_t>(group_first(key));
+    for (int32_t h = 0; h < heads32; ++h) position[h] = first + h * head_stride32;
+    position += heads32;
+  }
+  const int32_t* slot = scratch.phase_slots.data();
+  for (const PrefillSchedulePhase& phase : phases) {
+    // (Locals: the int32 stores below could alias the phase's fields.)
+    const int32_t* from = scratch.tile_position.data() + phase.first_tile;
+    const int32_t n = phase.slots, rounds = phase.rounds;
+    if (rounds == 1) {
+      for (int32_t k = 0; k < n; ++k) positions[counts[size_t(slot[k])]++] = from[k];
+    } else {
+      for (int32_t k = 0; k < n; ++k) {
+        int32_t* to = positions + counts[size_t(slot[k])];
+        counts[size_t(slot[k])] += rounds;
+        const int32_t* tile_k = from + k;
+        for (int32_t i = 0; i < rounds; ++i, tile_k += n) to[i] = *tile_k;
+      }
     }
+    slot += n;
   }
   res.tiles = tiles;
   return res;

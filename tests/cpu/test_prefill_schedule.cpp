@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <queue>
 #include <random>
 #include <string>
 #include <vector>
@@ -45,7 +46,7 @@ Scheduled run(const PrefillScheduleProblem& p) {
   Scheduled s;
   s.slot_begin.assign(size_t(p.slots) + 1, -1);
   s.positions.assign(size_t(prefill_schedule_tiles(p)), -1);
-  std::vector<int64_t> scratch;
+  PrefillScheduleScratch scratch;
   s.result = schedule_prefill(p, s.slot_begin.data(), s.positions.data(), scratch);
   return s;
 }
@@ -102,6 +103,55 @@ std::string check(const Batch& b, const PrefillScheduleProblem& p, const Schedul
   if (std::abs(makespan - s.result.makespan) > 1e-6 * (1 + makespan)) return "makespan differs from the lists'";
   if (makespan > total / p.slots + longest + 1e-9) return "makespan above total / slots + longest";
   return "";
+}
+
+
+// The schedule as LPT states it, tile by tile with a min-heap of (load, slot): the groups
+// (request, m_tile, split) longest first, equal costs in list order, each group's heads in order;
+// each slot's list in assignment order. The scheduler must give exactly these lists.
+Scheduled reference_lpt(const Batch& b, const PrefillScheduleProblem& p) {
+  int max_qo = 0;
+  for (int64_t r = 0; r < b.size(); ++r) max_qo = std::max(max_qo, b.qo_indptr[r + 1] - b.qo_indptr[r]);
+  const int64_t m_tiles = (max_qo + p.block_m - 1) / p.block_m;
+  struct Group {
+    int64_t cost, first;
+  };
+  std::vector<Group> groups;
+  for (int64_t r = 0; r < b.size(); ++r) {
+    const int qo = b.qo_indptr[r + 1] - b.qo_indptr[r];
+    const int64_t pages = b.kv_indptr[r + 1] - b.kv_indptr[r];
+    const int kv = pages ? static_cast<int>((pages - 1) * p.page_size + b.last[size_t(r)]) : 0;
+    for (int m = 0; m * p.block_m < qo; ++m) {
+      const int64_t tiles = query_tile_kv_tiles(qo, kv, p.causal, p.window_left, m * p.block_m, p.block_m, p.block_n);
+      const int64_t per = (tiles + p.kv_splits - 1) / p.kv_splits;
+      for (int s = 0; s < p.kv_splits; ++s) {
+        groups.push_back({kTileStartCost + std::clamp<int64_t>(tiles - s * per, 0, per),
+                          (r * p.num_qo_heads * m_tiles + m) * p.kv_splits + s});
+      }
+    }
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const Group& x, const Group& y) { return x.cost > y.cost; });
+  using Load = std::pair<int64_t, int>;  // (load, slot): the smallest first, ties to the lower slot
+  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> heap;
+  for (int s = 0; s < p.slots; ++s) heap.push({0, s});
+  std::vector<std::vector<int32_t>> lists(size_t(p.slots));
+  Scheduled out;
+  for (const Group& g : groups) {
+    for (int h = 0; h < p.num_qo_heads; ++h) {
+      Load least = heap.top();
+      heap.pop();
+      lists[size_t(least.second)].push_back(static_cast<int32_t>(g.first + h * m_tiles * p.kv_splits));
+      least.first += g.cost;
+      heap.push(least);
+      out.result.makespan = std::max(out.result.makespan, double(least.first));
+    }
+  }
+  out.slot_begin.push_back(0);
+  for (const auto& list : lists) {
+    out.positions.insert(out.positions.end(), list.begin(), list.end());
+    out.slot_begin.push_back(static_cast<int32_t>(out.positions.size()));
+  }
+  return out;
 }
 
 }  // namespace
@@ -167,6 +217,57 @@ TEST(PrefillSchedule, InvariantsOnRandomAndAdversarialBatches) {
           const Scheduled again = run(p);
           EXPECT_EQ(again.positions, s.positions) << "not deterministic";
           EXPECT_EQ(again.slot_begin, s.slot_begin);
+        }
+      }
+    }
+  }
+}
+
+TEST(PrefillSchedule, EqualsTileByTileLpt) {
+  // Batches whose tiles come in long runs of one cost (many decode-like requests over equal
+  // histories: whole rounds over the slots), of many costs (every group its own batch), and of
+  // few slots (the loaded queue refilled and compacted many times within a batch).
+  std::mt19937 rng(11);
+  std::vector<Batch> batches;
+  {  // the serving steps of the plan-time targets, scaled down
+    Batch b;
+    for (int i = 0; i < 256; ++i) b.add(i % 16 == 0 ? 256 : 1, 256 + static_cast<int32_t>(rng() % 7936));
+    batches.push_back(b);
+  }
+  {  // equal requests: one cost, rounds only
+    Batch b;
+    for (int i = 0; i < 300; ++i) b.add(1, 2048);
+    batches.push_back(b);
+  }
+  {  // two costs alternating, a long request first
+    Batch b;
+    b.add(1024, 32768);
+    for (int i = 0; i < 200; ++i) b.add(1, i % 2 ? 300 : 700);
+    batches.push_back(b);
+  }
+  for (int t = 0; t < 30; ++t) {  // random serving steps
+    Batch b;
+    const int n = 1 + static_cast<int>(rng() % 96);
+    for (int i = 0; i < n; ++i) {
+      const bool decode = rng() % 2 == 0;
+      const int32_t qo = decode ? 1 : static_cast<int32_t>(rng() % 1100);
+      b.add(qo, qo + static_cast<int32_t>(rng() % (t % 3 == 0 ? 600 : 20000)));
+    }
+    batches.push_back(b);
+  }
+  for (size_t i = 0; i < batches.size(); ++i) {
+    for (int heads : {1, 3, 32}) {
+      for (int slots : {1, 2, 7, 132, 1024}) {
+        for (int splits : {1, 4}) {
+          PrefillScheduleProblem p = problem_of(batches[i], heads, splits, slots);
+          p.causal = i % 2 == 0;
+          SCOPED_TRACE("batch " + std::to_string(i) + " heads " + std::to_string(heads) + " slots " +
+                       std::to_string(slots) + " splits " + std::to_string(splits));
+          const Scheduled s = run(p), want = reference_lpt(batches[i], p);
+          ASSERT_EQ(s.slot_begin, want.slot_begin);
+          ASSERT_EQ(s.positions, want.positions);
+          EXPECT_EQ(s.result.makespan, want.result.makespan);
+          EXPECT_EQ(check(batches[i], p, s), "");
         }
       }
     }

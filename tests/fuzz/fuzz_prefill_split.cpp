@@ -79,7 +79,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (p.batch * sp.num_qo_heads * m_tiles * sp.kv_splits > (int64_t(1) << 22)) return 0;  // bounded per input
   const int64_t tiles = plan::prefill_schedule_tiles(sp);
   std::vector<int32_t> slot_begin(static_cast<size_t>(sp.slots) + 1), positions(static_cast<size_t>(tiles));
-  std::vector<int64_t> scratch;
+  plan::PrefillScheduleScratch scratch;
   const plan::PrefillScheduleResult res = plan::schedule_prefill(sp, slot_begin.data(), positions.data(), scratch);
   std::vector<char> seen(size_t(p.batch * sp.num_qo_heads * m_tiles * sp.kv_splits), 0);
   bool listed = res.tiles == tiles && slot_begin[0] == 0 && slot_begin[size_t(sp.slots)] == tiles;
