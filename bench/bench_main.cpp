@@ -475,6 +475,7 @@ int bench_decode(const Args& a) {
   cfg.programmatic_launch = arg_int(a, "programmatic", "1") != 0;
   cfg.pipeline_stages = static_cast<int>(arg_int(a, "pipeline_stages", "0"));
   cfg.ctas_per_sm = static_cast<int>(arg_int(a, "ctas_per_sm", "0"));
+  cfg.batch_invariant = arg(a, "batch_invariant", "false") == "true";  // (the mode's cost)
   const size_t ws_bytes = BatchDecoder::workspace_bytes(cfg);
   Buffer ws(ws_bytes);
   BatchDecoder decoder(cfg, ws.get(), ws_bytes);
@@ -518,10 +519,11 @@ int bench_decode(const Args& a) {
                 ", \"rotations\": %d, \"kv_tokens\": %lld, \"max_kv_len\": %d, \"chunk_tokens\": %d, "
                 "\"work_items\": %d, \"split_requests\": %d, \"grid_ctas\": %d, \"ctas_per_sm\": %d, \"plan_us\": %.3f, "
                 "\"plan_checked_us\": %.3f, \"stream_us\": %.3f, \"stream_tbs\": %.4f, \"merge_rows\": %d, "
-                "\"estimated_us\": %.1f",
+                "\"estimated_us\": %.1f, \"batch_invariant\": %s",
                 rot, static_cast<long long>(kv_tokens), max_kv, info.chunk_tokens, info.num_work_items,
                 info.num_split_requests, info.grid_ctas, info.ctas_per_sm, plan_median_us, plan_checked_us,
-                stream_step_ms * 1e3, bytes / (stream_step_ms * 1e-3) / 1e12, info.num_merge_rows, info.estimated_us);
+                stream_step_ms * 1e3, bytes / (stream_step_ms * 1e-3) / 1e12, info.num_merge_rows, info.estimated_us,
+                cfg.batch_invariant ? "true" : "false");
   print_record("decode", arg(a, "name"), bytes / (ms * 1e-3) / 1e12, ms * 1e3, extra);
   return 0;
 }
@@ -650,7 +652,11 @@ int bench_prefill_plan(const Args& a) {
   pcfg.head_dim = d;
   pcfg.page_size = P;
   pcfg.max_q_rows = static_cast<int>(q_rows);
-  pcfg.max_kv_splits = std::max(16, static_cast<int>(arg_int(a, "kv_splits", "0")));
+  // batch_invariant=true: every step split into exactly max_kv_splits runs (default 16, or the
+  // forced kv_splits): the mode's cost against the planner's own choice.
+  pcfg.max_kv_splits = a.count("max_kv_splits") ? static_cast<int>(arg_int(a, "max_kv_splits"))
+                                                 : std::max(16, static_cast<int>(arg_int(a, "kv_splits", "0")));
+  pcfg.batch_invariant = arg(a, "batch_invariant", "false") == "true";
   pcfg.causal = causal;
   if (a.count("path")) pcfg.path = arg(a, "path") == "hopper" ? AttentionPath::kHopper : AttentionPath::kPortable;
   pcfg.cuda_graph = fixed_grid;
@@ -693,13 +699,14 @@ int bench_prefill_plan(const Args& a) {
               "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
               "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d, "
               "\"plan_path\": \"%s\", \"estimated_us\": %.1f, \"cuda_graph\": %s, \"plan_us\": %.1f, "
-              "\"max_batch_size\": %d, \"fixed_grid\": %s}\n",
+              "\"max_batch_size\": %d, \"fixed_grid\": %s, \"batch_invariant\": %s}\n",
               arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
               static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout),
               use_split ? prefill.last_plan().kv_splits : 1,
               attention_path_name(use_split ? prefill.last_plan().path : AttentionPath::kAuto),
               use_split ? prefill.last_plan().estimated_us : 0.0, fixed_grid ? "true" : "false", plan_us[25],
-              pcfg.max_batch_size, use_split && prefill.last_plan().fixed_grid ? "true" : "false");
+              pcfg.max_batch_size, use_split && prefill.last_plan().fixed_grid ? "true" : "false",
+              pcfg.batch_invariant ? "true" : "false");
   return 0;
 }
 

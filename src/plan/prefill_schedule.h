@@ -39,23 +39,15 @@ struct PrefillScheduleResult {
 // The number of tiles with query rows (what schedule_prefill writes).
 int64_t prefill_schedule_tiles(const PrefillScheduleProblem& problem);
 
-// A run of the schedule's picks: tiles first_tile .. first_tile + slots x rounds - 1 (in the
-// order the groups were sorted, each group's heads in order) go round by round to `slots` slots,
-// the same order each round.
-struct PrefillSchedulePhase {
-  int32_t first_tile, slots, rounds;
-};
-
 // The scheduler's working memory: the caller's, reused between calls (no allocation once warm).
 struct PrefillScheduleScratch {
-  std::vector<uint64_t> groups;               // (cost, first position) of each (request, m_tile, split)
-  std::vector<uint64_t> sorted_groups;        // longest first
-  std::vector<int32_t> bucket;                // the counting sort's, by cost
-  std::vector<int64_t> keys;                  // the slot queues
-  std::vector<PrefillSchedulePhase> phases;   // the picks, in order
-  std::vector<int32_t> phase_slots;           // each phase's slots, concatenated
-  std::vector<int32_t> tile_position;         // each tile's list position, in pick order
-  std::vector<int32_t> counts;                // tiles a slot, then the next free place of its list
+  std::vector<uint64_t> groups;         // (cost, first position) of each (request, m_tile, split)
+  std::vector<uint64_t> sorted_groups;  // longest first
+  std::vector<int32_t> bucket;          // the counting sort's, by cost
+  std::vector<int64_t> keys;            // the slot queues
+  std::vector<int32_t> tile_position;   // each tile's list position, in pick order
+  std::vector<int32_t> lists;           // each slot's positions, at a fixed capacity a slot
+  std::vector<int32_t> counts;          // each slot's list length
 };
 
 // Writes slot_begin [slots + 1] (slot s runs positions[slot_begin[s] .. slot_begin[s + 1])) and

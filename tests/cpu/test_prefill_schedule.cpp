@@ -245,6 +245,13 @@ TEST(PrefillSchedule, EqualsTileByTileLpt) {
     for (int i = 0; i < 200; ++i) b.add(1, i % 2 ? 300 : 700);
     batches.push_back(b);
   }
+  {  // long tiles on all slots but one, then many short ones: that slot's list far above the
+     // mean (the scheduler's lists start at twice the mean and grow)
+    Batch b;
+    for (int i = 0; i < 131; ++i) b.add(1, 128000);
+    for (int i = 0; i < 4000; ++i) b.add(1, 1);
+    batches.push_back(b);
+  }
   for (int t = 0; t < 30; ++t) {  // random serving steps
     Batch b;
     const int n = 1 + static_cast<int>(rng() % 96);
