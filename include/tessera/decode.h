@@ -75,13 +75,22 @@ struct DecodeConfig {
   // read (a few microseconds, which a short decode step feels). False: plain launches. The
   // kernel ahead must not write this decoder's workspace.
   bool programmatic_launch = true;
-  // Batch-invariant mode: plan() never splits a request's keys and keeps one CTA shape (the
-  // default one, or ctas_per_sm's), so a request's output bits depend on its own inputs only, not
-  // on the rest of the batch (FlashInfer / vLLM's batch invariance; needed for reproducible
-  // sampling across batch compositions). The cost: a long request's keys stream through one CTA
-  // per KV head, so skewed batches lose the planner's balance (a 32K request among short ones
-  // takes as long as one CTA reading 32K keys).
+  // Batch-invariant mode: a request's output bits depend on its own inputs only, not on the rest
+  // of the batch (FlashInfer / vLLM's batch invariance; needed for reproducible sampling across
+  // batch compositions). plan() splits every request longer than batch_invariant_chunk_tokens
+  // into chunks of at most that many tokens (balanced: a request's own length decides them),
+  // merges each request's chunks by its own chunk count, and keeps one CTA shape (the default
+  // one, or ctas_per_sm's), whatever else the step holds. The cost is the split the balancing
+  // planner would not have chosen (bench/results: batch_invariant rows).
   bool batch_invariant = false;
+  // The mode's chunk: a multiple of 16 and of page_size, >= 128; 0: requests are never split (a
+  // long request then streams through one CTA per KV head: a 32K request among short ones takes
+  // as long as one CTA reading 32K keys).
+  int batch_invariant_chunk_tokens = 2048;
+  // The chunk partials (chunks x KV heads of the split requests) a batch-invariant step may hold,
+  // which sizes the workspace; plan() refuses a step that needs more. 0: 8 x max_batch_size x
+  // num_kv_heads (every request up to 8 chunks), at least the balancing planner's own bound.
+  int batch_invariant_max_chunks = 0;
 };
 
 // What the last plan() decided (for logging and benchmarks).

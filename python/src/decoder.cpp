@@ -95,7 +95,8 @@ size_t contiguous_bytes(ArgConverter& conv, const TensorView& t, const char* arg
 DecodeConfig make_config(int num_qo_heads, int num_kv_heads, int head_dim, int page_size,
                          nb::handle dtype, nb::handle layout, int max_batch_size, int max_qo_len,
                          bool causal, int window_left, float scale, float soft_cap,
-                         int pipeline_stages, int ctas_per_sm, bool programmatic_launch, bool batch_invariant) {
+                         int pipeline_stages, int ctas_per_sm, bool programmatic_launch, bool batch_invariant,
+                         int batch_invariant_chunk_tokens, int batch_invariant_max_chunks) {
   DecodeConfig c;
   c.num_qo_heads = num_qo_heads;
   c.num_kv_heads = num_kv_heads;
@@ -113,6 +114,8 @@ DecodeConfig make_config(int num_qo_heads, int num_kv_heads, int head_dim, int p
   c.ctas_per_sm = ctas_per_sm;
   c.programmatic_launch = programmatic_launch;
   c.batch_invariant = batch_invariant;
+  c.batch_invariant_chunk_tokens = batch_invariant_chunk_tokens;
+  c.batch_invariant_max_chunks = batch_invariant_max_chunks;
   return c;
 }
 
@@ -126,7 +129,9 @@ std::string config_repr(const DecodeConfig& c) {
          ", soft_cap=" + std::to_string(c.soft_cap) + ", pipeline_stages=" + std::to_string(c.pipeline_stages) +
          ", ctas_per_sm=" + std::to_string(c.ctas_per_sm) +
          ", programmatic_launch=" + (c.programmatic_launch ? "True" : "False") +
-         ", batch_invariant=" + (c.batch_invariant ? "True" : "False") + ")";
+         ", batch_invariant=" + (c.batch_invariant ? "True" : "False") +
+         ", batch_invariant_chunk_tokens=" + std::to_string(c.batch_invariant_chunk_tokens) +
+         ", batch_invariant_max_chunks=" + std::to_string(c.batch_invariant_max_chunks) + ")";
 }
 
 // tessera::BatchDecoder on a device workspace the Python side owns (and keeps alive).
@@ -339,11 +344,13 @@ void bind_decoder(nb::module_& m) {
            [](DecodeConfig* self, int num_qo_heads, int num_kv_heads, int head_dim, int page_size,
               nb::handle dtype, nb::handle layout, int max_batch_size, int max_qo_len, bool causal,
               int window_left, float scale, float soft_cap, int pipeline_stages, int ctas_per_sm,
-              bool programmatic_launch, bool batch_invariant) {
+              bool programmatic_launch, bool batch_invariant, int batch_invariant_chunk_tokens,
+              int batch_invariant_max_chunks) {
              new (self) DecodeConfig(make_config(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                                                  layout, max_batch_size, max_qo_len, causal, window_left,
                                                  scale, soft_cap, pipeline_stages, ctas_per_sm,
-                                                 programmatic_launch, batch_invariant));
+                                                 programmatic_launch, batch_invariant, batch_invariant_chunk_tokens,
+                                                 batch_invariant_max_chunks));
            },
            nb::kw_only(), "num_qo_heads"_a = d.num_qo_heads, "num_kv_heads"_a = d.num_kv_heads,
            "head_dim"_a = d.head_dim, "page_size"_a = d.page_size, "dtype"_a = "bf16",
@@ -352,6 +359,8 @@ void bind_decoder(nb::module_& m) {
            "soft_cap"_a = d.soft_cap, "pipeline_stages"_a = d.pipeline_stages,
            "ctas_per_sm"_a = d.ctas_per_sm, "programmatic_launch"_a = d.programmatic_launch,
            "batch_invariant"_a = d.batch_invariant,
+           "batch_invariant_chunk_tokens"_a = d.batch_invariant_chunk_tokens,
+           "batch_invariant_max_chunks"_a = d.batch_invariant_max_chunks,
            "Fields as in include/tessera/decode.h; dtype 'bf16' | 'fp16' (or a DType / framework "
            "dtype), layout 'NHD' | 'HND'. Validated when a BatchDecoder is made.")
       .def_rw("num_qo_heads", &DecodeConfig::num_qo_heads)
@@ -370,6 +379,8 @@ void bind_decoder(nb::module_& m) {
       .def_rw("ctas_per_sm", &DecodeConfig::ctas_per_sm)
       .def_rw("programmatic_launch", &DecodeConfig::programmatic_launch)
       .def_rw("batch_invariant", &DecodeConfig::batch_invariant)
+      .def_rw("batch_invariant_chunk_tokens", &DecodeConfig::batch_invariant_chunk_tokens)
+      .def_rw("batch_invariant_max_chunks", &DecodeConfig::batch_invariant_max_chunks)
       .def("__repr__", &config_repr);
 
   nb::class_<DecodePlanInfo>(m, "DecodePlanInfo", "What the last plan() decided (tessera::DecodePlanInfo).")

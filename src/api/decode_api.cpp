@@ -46,6 +46,15 @@ void validate_config(const detail::ArgCheck& check, const DecodeConfig& c) {
                   "pipeline_stages", "must be 0 (automatic), 2 or 3, got " + std::to_string(c.pipeline_stages));
   TESSERA_REQUIRE(check, c.ctas_per_sm >= 0 && c.ctas_per_sm <= 2, "ctas_per_sm",
                   "must be 0 (automatic), 1 or 2, got " + std::to_string(c.ctas_per_sm));
+  const int chunk = c.batch_invariant_chunk_tokens;
+  TESSERA_REQUIRE(check, chunk == 0 || (chunk >= 128 && chunk % 16 == 0 && chunk % c.page_size == 0),
+                  "batch_invariant_chunk_tokens",
+                  "must be 0 (never split) or a multiple of 16 and of page_size (" + std::to_string(c.page_size) +
+                      ") of at least 128, got " + std::to_string(chunk));
+  TESSERA_REQUIRE(check, c.batch_invariant_max_chunks >= 0 && c.batch_invariant_max_chunks <= (1 << 30),
+                  "batch_invariant_max_chunks",
+                  "must be in 0..2^30 (0: 8 x max_batch_size x num_kv_heads), got " +
+                      std::to_string(c.batch_invariant_max_chunks));
 }
 
 struct GpuShape {
@@ -116,9 +125,18 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   return cap;
 }
 
-plan::SplitPolicy split_policy(const DecodeConfig& c) {
+plan::SplitPolicy split_policy(const DecodeConfig& c, const GpuShape& g) {
   plan::SplitPolicy policy;
-  policy.split = !c.batch_invariant;
+  if (c.batch_invariant) {
+    policy.split = c.batch_invariant_chunk_tokens > 0;
+    policy.fixed_chunk_tokens = c.batch_invariant_chunk_tokens;
+    const int64_t wave = int64_t(g.num_sms) * g.ctas_per_sm * policy.max_chunks_per_slot;
+    policy.max_chunk_partials = c.batch_invariant_max_chunks > 0
+                                    ? c.batch_invariant_max_chunks
+                                    : std::min<int64_t>(int64_t(1) << 30,
+                                                        std::max<int64_t>(wave, 8 * int64_t(c.max_batch_size) *
+                                                                                    c.num_kv_heads));
+  }
   return policy;
 }
 
@@ -149,7 +167,7 @@ struct BatchDecoder::Impl {
   DecodePlanInfo info;
 
   Impl(const DecodeConfig& c, const GpuShape& g)
-      : config(c), gpu(g), planner(capacity_for(c, g), split_policy(c), "BatchDecoder") {
+      : config(c), gpu(g), planner(capacity_for(c, g), split_policy(c, g), "BatchDecoder") {
     if (c.ctas_per_sm != 0) {
       planner.pin_shape(c.ctas_per_sm == 1 ? plan::CtaShape::kOneCtaPerSm : plan::CtaShape::kDefault);
     } else if (c.batch_invariant) {
@@ -165,7 +183,8 @@ struct BatchDecoder::Impl {
 std::size_t BatchDecoder::workspace_bytes(const DecodeConfig& config) {
   const detail::ArgCheck check("BatchDecoder::workspace_bytes");
   validate_config(check, config);
-  return plan::DecodePlanner(capacity_for(config, current_gpu_shape(config)), split_policy(config),
+  const GpuShape gpu = current_gpu_shape(config);
+  return plan::DecodePlanner(capacity_for(config, gpu), split_policy(config, gpu),
                              "BatchDecoder::workspace_bytes")
       .workspace_bytes();
 }

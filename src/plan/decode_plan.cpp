@@ -56,6 +56,9 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   if (policy_.min_chunk_tokens < 1 || policy_.granularity < 1 || policy_.max_chunks_per_slot < 1) {
     fail("policy", "min_chunk_tokens, granularity and max_chunks_per_slot must be >= 1");
   }
+  if (policy_.fixed_chunk_tokens < 0 || policy_.max_chunk_partials < 0 || policy_.max_chunk_partials > INT32_MAX / 2) {
+    fail("policy", "fixed_chunk_tokens must be >= 0 and max_chunk_partials in 0..2^30");
+  }
   const CostModel& c = policy_.cost;
   if (!(c.sm_read_bytes_per_us > 0) || !(c.cta_peak_bytes_per_us > 0) ||
       !(c.one_cta_per_sm_peak_bytes_per_us > 0) || !(c.merge_bytes_per_us > 0) || !(c.task_start_us >= 0) ||
@@ -74,7 +77,9 @@ DecodePlanner::DecodePlanner(const PlanCapacity& capacity, const SplitPolicy& po
   // per group) are at most as many as the chunk partials. Splitting adds at most as many tasks as
   // there are chunk partials.
   const int64_t wave = int64_t(cap_.num_sms) * cap_.ctas_per_sm;
-  const int64_t chunk_slots = wave * policy_.max_chunks_per_slot;
+  const int64_t chunk_slots =
+      policy_.max_chunk_partials > 0 ? policy_.max_chunk_partials : wave * policy_.max_chunks_per_slot;
+  max_chunk_partials_ = chunk_slots;
   const int64_t unsplit_items = int64_t(cap_.max_batch_size) * cap_.num_kv_heads;
   if (unsplit_items + 2 * chunk_slots > INT32_MAX) {
     fail("max_batch_size", "max_batch_size x num_kv_heads exceeds 2^31 - 1");
@@ -586,13 +591,29 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   const Wave wide{cap_.num_sms, policy_.cost.one_cta_per_sm_peak_bytes_per_us};
   const bool pinned_wide = shape_pinned_ && pinned_shape_ == CtaShape::kOneCtaPerSm;
   const bool may_fit = with_query * cap_.num_kv_heads <= cap_.num_sms;  // unsplit items, at least
+  // A fixed chunk (batch invariance) is the step's chunk whatever the batch; it must fit the
+  // workspace's chunk partials (split_count's bound: ceil(len / chunk) chunks a split request).
+  const bool fixed = policy_.split && policy_.fixed_chunk_tokens > 0;
+  const int64_t fixed_chunk = std::min<int64_t>(longest, policy_.fixed_chunk_tokens);
+  if (fixed && fixed_chunk < longest) {
+    const int64_t partials = split_count(fixed_chunk).chunk_slots;
+    if (partials > max_chunk_partials_) {
+      fail_plan("kv_indptr", "the step's requests split into " + std::to_string(partials) +
+                                 " chunk partials (chunks of " + std::to_string(fixed_chunk) +
+                                 " tokens x KV heads), more than the " + std::to_string(max_chunk_partials_) +
+                                 " the workspace holds (DecodeConfig::batch_invariant_max_chunks)");
+    }
+  }
+  auto pick = [&](const Wave& wave) {
+    return fixed ? Choice{fixed_chunk, makespan_us(fixed_chunk, wave)} : choose_chunk(wave, longest);
+  };
   Choice chosen{longest, 0.0};
   plan_.shape = CtaShape::kDefault;
   plan_.wave_ctas = base.ctas;
-  if (!pinned_wide && policy_.split) chosen = choose_chunk(base, longest);
+  if (!pinned_wide && policy_.split) chosen = pick(base);
   if (cap_.one_cta_per_sm_shape && (pinned_wide || (!shape_pinned_ && may_fit))) {
     // Unless it pays for split lists, only its unsplit list can be taken: estimate that alone.
-    Choice one = policy_.split && (cap_.one_cta_per_sm_for_splits || pinned_wide) ? choose_chunk(wide, longest)
+    Choice one = policy_.split && (cap_.one_cta_per_sm_for_splits || pinned_wide) ? pick(wide)
                                                                                    : Choice{longest, 0.0};
     if (one.makespan_us == 0) one.makespan_us = makespan_us(one.chunk, wide);
     if (!pinned_wide && chosen.makespan_us == 0) chosen.makespan_us = makespan_us(chosen.chunk, base);

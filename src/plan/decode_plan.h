@@ -96,6 +96,15 @@ struct SplitPolicy {
   // With the kernel shape pinned too (pin_shape), a request's plan, and so its output bits, no
   // longer depends on the rest of the batch (BatchDecoder's batch_invariant mode).
   bool split = true;
+  // > 0: every request longer than this many tokens splits into chunks of at most this length
+  // (chunk_length(): balanced, multiples of the granule), whatever the rest of the step, in place
+  // of the cost model's step-wide choice; each request's merge is decided by its own chunk count.
+  // With the shape pinned, a request's plan then depends on its own length alone, and long
+  // requests still spread over many CTAs (BatchDecoder's batch_invariant mode with a chunk).
+  int32_t fixed_chunk_tokens = 0;
+  // > 0: the chunk partials the workspace holds (else max_chunks_per_slot x the wave); a plan
+  // with a fixed chunk that needs more is refused.
+  int64_t max_chunk_partials = 0;
   CostModel cost;
 };
 
@@ -298,6 +307,7 @@ class DecodePlanner {
   int32_t max_work_ = 0;
   int32_t max_slots_ = 0;
   int32_t max_merges_ = 0;
+  int64_t max_chunk_partials_ = 0;  // chunk partials the workspace holds
   int64_t granule_ = 16;  // of the current plan: lcm(page_size, policy granularity)
   bool shape_pinned_ = false;
   CtaShape pinned_shape_ = CtaShape::kDefault;

@@ -734,5 +734,61 @@ TEST(DecodePlan, BatchInvariantPlansGiveARequestTheSameItemsInEveryBatch) {
   EXPECT_NE(balanced_items[0], balanced_items[2]);
 }
 
+
+// Batch-invariant plans with a fixed chunk (SplitPolicy::fixed_chunk_tokens, shape pinned): a long
+// request splits into the same chunks, merged the same way, alone and in any crowd; a step
+// needing more chunk partials than the workspace holds is refused, naming the capacity.
+TEST(DecodePlan, FixedChunkPlansGiveARequestTheSameChunksInEveryBatch) {
+  const PlanCapacity cap = [] {
+    PlanCapacity c = h200_decode(64);
+    c.ctas_per_sm = 2;
+    c.one_cta_per_sm_shape = true;
+    return c;
+  }();
+  const Batch alone(16, {20000});
+  std::vector<int64_t> crowd_len(64, 300);
+  crowd_len[0] = 20000;
+  crowd_len[7] = 4100;
+  const Batch crowd(16, crowd_len);
+  const Batch long_ones(16, {20000, 18000, 17000, 9000});
+  SplitPolicy invariant;
+  invariant.fixed_chunk_tokens = 2048;
+  invariant.max_chunk_partials = 4096;
+  DecodePlanner fixed(cap, invariant);
+  fixed.pin_shape(CtaShape::kDefault);
+  struct Request0 {
+    std::vector<std::pair<int32_t, int32_t>> ranges;
+    std::vector<std::pair<int32_t, int32_t>> merges;  // (slots merged, output slot or -1) per merge row
+    bool operator==(const Request0& o) const { return ranges == o.ranges && merges == o.merges; }
+  };
+  std::vector<Request0> seen;
+  for (const Batch* b : {&alone, &crowd, &long_ones}) {
+    const Plan& f = fixed.plan(b->bsr(), b->qo_indptr.data());
+    check_plan(f, *b, cap, fixed);
+    EXPECT_EQ(f.shape, CtaShape::kDefault);
+    Request0 r;
+    for (const WorkItem& w : f.work)
+      if (w.request == 0) r.ranges.push_back({w.kv_begin, w.kv_end});
+    for (const MergeRow& m : f.merges)
+      if (m.request == 0) r.merges.push_back({m.num_slots, m.target_slot < 0 ? -1 : 1});
+    std::sort(r.ranges.begin(), r.ranges.end());
+    seen.push_back(r);
+  }
+  ASSERT_EQ(seen[0].ranges.size(), 10u);  // 20000 keys in 10 balanced chunks of <= 2048
+  for (const auto& range : seen[0].ranges) EXPECT_LE(range.second - range.first, 2048);
+  EXPECT_EQ(seen[0].ranges.back().second, 20000);
+  for (size_t i = 1; i < seen.size(); ++i) EXPECT_TRUE(seen[i] == seen[0]) << "batch " << i;
+  // The capacity: 4 long requests need (10 + 9 + 9 + 5) x 8 = 264 partials at most; 200 is refused.
+  invariant.max_chunk_partials = 200;
+  DecodePlanner small(cap, invariant);
+  small.pin_shape(CtaShape::kDefault);
+  try {
+    small.plan(long_ones.bsr(), long_ones.qo_indptr.data());
+    ADD_FAILURE() << "a step over the chunk capacity was planned";
+  } catch (const tessera::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("batch_invariant_max_chunks"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace tessera::plan

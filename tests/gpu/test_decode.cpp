@@ -626,7 +626,8 @@ TEST(GpuDecode, RepeatedRunsAreBitwiseIdentical) {
 // Batch-invariant mode (DecodeConfig::batch_invariant): the first `keep` requests of a batch, planned
 // and run as a batch of their own over the same cache, give bitwise the same O and LSE rows as in
 // the whole batch. (A long request among short ones: the balancing planner would split it one way
-// alone and another way in the crowd.)
+// alone and another way in the crowd.) With the mode's fixed chunks (the long requests split into
+// chunks of at most 2048 keys, alone as in the crowd) and without (nothing split).
 TEST(GpuDecode, BatchInvariantModeKeepsARequestsBits) {
   TESSERA_REQUIRE_GPU();
   DecodeCase c;
@@ -635,36 +636,42 @@ TEST(GpuDecode, BatchInvariantModeKeepsARequestsBits) {
   c.kv_len[0] = 20000;
   c.kv_len[1] = 4100;
   DecodeProblem p(c, 610);
-  p.cfg.batch_invariant = true;
-  DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
-  BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
-  p.plan(decoder);
-  EXPECT_EQ(decoder.last_plan().num_split_requests, 0);
-  const Outputs whole = p.run_and_fetch(decoder);
-  check_against(whole, p.expected(), "batch-invariant decode");
-  // The sub-batch: prefixes of the same device arrays, the same q and o rows.
-  const int keep = 2;
-  PageTable sub = p.table();
-  sub.indptr = TensorView::contiguous(sub.indptr.data, DType::kInt32, {keep + 1});
-  sub.indices = TensorView::contiguous(sub.indices.data, DType::kInt32, {p.kv.indptr[keep]});
-  sub.last_page_len = TensorView::contiguous(sub.last_page_len.data, DType::kInt32, {keep});
-  const TensorView q_sub = TensorView::strided(p.dq.get(), p.cfg.dtype, {keep, p.q.heads, p.q.dim},
-                                               {p.q.row_stride, p.q.dim, 1});
-  const TensorView o_sub = TensorView::strided(p.o.get(), p.cfg.dtype, {keep, p.q.heads, p.q.dim},
-                                               {p.q.row_stride, p.q.dim, 1});
-  const TensorView lse_sub = TensorView::contiguous(p.lse.get(), DType::kFP32, {keep, p.q.heads});
-  decoder.plan(p.qo_indptr.data(), sub, nullptr, p.kv.num_pages);
-  EXPECT_EQ(decoder.last_plan().num_split_requests, 0);
-  p.o.poison();
-  p.lse.poison();
-  decoder.run(q_sub, p.cache(), sub, o_sub, lse_sub, nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  const Outputs alone = fetch(p.o, p.lse, p.out_shape());
-  const size_t o_elems = size_t(keep * p.q.row_stride), lse_elems = size_t(keep * p.q.heads);
-  EXPECT_TRUE(std::equal(alone.o_raw.begin(), alone.o_raw.begin() + o_elems, whole.o_raw.begin()))
-      << "a request's O bits depend on the rest of the batch";
-  EXPECT_EQ(std::memcmp(alone.lse_raw.data(), whole.lse_raw.data(), lse_elems * 4), 0)
-      << "a request's LSE bits depend on the rest of the batch";
+  for (const int chunk : {0, 2048}) {
+    SCOPED_TRACE("batch_invariant_chunk_tokens " + std::to_string(chunk));
+    p.cfg.batch_invariant = true;
+    p.cfg.batch_invariant_chunk_tokens = chunk;
+    DeviceBuffer ws(BatchDecoder::workspace_bytes(p.cfg));
+    BatchDecoder decoder(p.cfg, ws.get(), ws.bytes());
+    p.plan(decoder);
+    const int split_pairs = decoder.last_plan().num_split_requests;
+    EXPECT_EQ(split_pairs, chunk == 0 ? 0 : 2 * c.kv.num_kv_heads);  // requests 0 and 1, every KV head
+    const Outputs whole = p.run_and_fetch(decoder);
+    check_against(whole, p.expected(), "batch-invariant decode");
+    for (const int keep : {1, 2}) {
+      // The sub-batch: prefixes of the same device arrays, the same q and o rows.
+      PageTable sub = p.table();
+      sub.indptr = TensorView::contiguous(sub.indptr.data, DType::kInt32, {keep + 1});
+      sub.indices = TensorView::contiguous(sub.indices.data, DType::kInt32, {p.kv.indptr[keep]});
+      sub.last_page_len = TensorView::contiguous(sub.last_page_len.data, DType::kInt32, {keep});
+      const TensorView q_sub = TensorView::strided(p.dq.get(), p.cfg.dtype, {keep, p.q.heads, p.q.dim},
+                                                   {p.q.row_stride, p.q.dim, 1});
+      const TensorView o_sub = TensorView::strided(p.o.get(), p.cfg.dtype, {keep, p.q.heads, p.q.dim},
+                                                   {p.q.row_stride, p.q.dim, 1});
+      const TensorView lse_sub = TensorView::contiguous(p.lse.get(), DType::kFP32, {keep, p.q.heads});
+      decoder.plan(p.qo_indptr.data(), sub, nullptr, p.kv.num_pages);
+      EXPECT_EQ(decoder.last_plan().num_split_requests, chunk == 0 ? 0 : keep * c.kv.num_kv_heads);
+      p.o.poison();
+      p.lse.poison();
+      decoder.run(q_sub, p.cache(), sub, o_sub, lse_sub, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const Outputs alone = fetch(p.o, p.lse, p.out_shape());
+      const size_t o_elems = size_t(keep * p.q.row_stride), lse_elems = size_t(keep * p.q.heads);
+      EXPECT_TRUE(std::equal(alone.o_raw.begin(), alone.o_raw.begin() + o_elems, whole.o_raw.begin()))
+          << "a request's O bits depend on the rest of the batch (keep " << keep << ")";
+      EXPECT_EQ(std::memcmp(alone.lse_raw.data(), whole.lse_raw.data(), lse_elems * 4), 0)
+          << "a request's LSE bits depend on the rest of the batch (keep " << keep << ")";
+    }
+  }
 }
 
 // With programmatic launch (sm_90+) a run() may start while the kernel ahead of it in the stream
@@ -918,6 +925,10 @@ TEST(GpuDecodeBadInput, ConfigIsValidated) {
       {[](DecodeConfig& c) { c.pipeline_stages = 1; }, {"'pipeline_stages'", "1"}},
       {[](DecodeConfig& c) { c.pipeline_stages = 4; }, {"'pipeline_stages'", "4"}},
       {[](DecodeConfig& c) { c.ctas_per_sm = 3; }, {"'ctas_per_sm'", "3"}},
+      {[](DecodeConfig& c) { c.batch_invariant_chunk_tokens = 100; }, {"'batch_invariant_chunk_tokens'", "100"}},
+      {[](DecodeConfig& c) { c.batch_invariant_chunk_tokens = 2056; }, {"'batch_invariant_chunk_tokens'", "2056"}},
+      {[](DecodeConfig& c) { c.batch_invariant_chunk_tokens = -16; }, {"'batch_invariant_chunk_tokens'"}},
+      {[](DecodeConfig& c) { c.batch_invariant_max_chunks = -1; }, {"'batch_invariant_max_chunks'"}},
   };
   // What a narrowed build left out is a clear error, not a fallback.
   for (int hd : {64, 128, 256}) {

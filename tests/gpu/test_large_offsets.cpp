@@ -399,7 +399,7 @@ TEST(GpuLargeOffsets, AppendPagedKVPastTheMark) {
 
 // ---- 1b. BatchDecoder past the mark -------------------------------------------------------------------
 // qo_len 1, 1, 3, 1 (request 2's three rows causal over the pages around the mark), GQA groups 1
-// and 4; the planner's own plan (which may split request 3), batch_invariant (nothing split) and,
+// and 4; the planner's own plan (which may split request 3), batch_invariant (its fixed chunks) and,
 // where the GPU holds it, the one-CTA-per-SM shape.
 TEST(GpuLargeOffsets, DecodePastTheMark) {
   TESSERA_REQUIRE_GPU();
