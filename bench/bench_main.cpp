@@ -476,7 +476,7 @@ int bench_decode(const Args& a) {
   cfg.pipeline_stages = static_cast<int>(arg_int(a, "pipeline_stages", "0"));
   cfg.ctas_per_sm = static_cast<int>(arg_int(a, "ctas_per_sm", "0"));
   cfg.batch_invariant = arg(a, "batch_invariant", "false") == "true";  // (the mode's cost)
-  cfg.batch_invariant_chunk_tokens = static_cast<int>(arg_int(a, "batch_invariant_chunk_tokens", "2048"));
+  cfg.batch_invariant_chunk_tokens = static_cast<int>(arg_int(a, "batch_invariant_chunk_tokens", "1024"));
   const size_t ws_bytes = BatchDecoder::workspace_bytes(cfg);
   Buffer ws(ws_bytes);
   BatchDecoder decoder(cfg, ws.get(), ws_bytes);

@@ -85,8 +85,11 @@ struct DecodeConfig {
   bool batch_invariant = false;
   // The mode's chunk: a multiple of 16 and of page_size, >= 128; 0: requests are never split (a
   // long request then streams through one CTA per KV head: a 32K request among short ones takes
-  // as long as one CTA reading 32K keys).
-  int batch_invariant_chunk_tokens = 2048;
+  // as long as one CTA reading 32K keys). Measured on the H200 against the planner's own plan
+  // (bench/results/2026-12-02_h200_3aa3c31_batch_invariant_cost.json, nine decode cases, uniform
+  // and skewed): 1024 keeps 0.82-1.01x (the worst a 1-KV-head batch with one 32K request), 2048
+  // 0.66-1.01x, 4096 0.40-1.01x, never splitting 0.04-1.00x.
+  int batch_invariant_chunk_tokens = 1024;
   // The chunk partials (chunks x KV heads of the split requests) a batch-invariant step may hold,
   // which sizes the workspace; plan() refuses a step that needs more. 0: 8 x max_batch_size x
   // num_kv_heads (every request up to 8 chunks), at least the balancing planner's own bound.

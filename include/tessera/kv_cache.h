@@ -53,7 +53,10 @@ struct PageTable {
 // current length before the call is kv_len_i - n_i. The host copies (table.host_* and
 // host_append_indptr) are required: n_i <= kv_len_i, rows inside k_new, page ids inside the cache,
 // and no page receiving rows from two places are checked on them. Outputs (the pages) must not
-// overlap each other or the inputs.
+// overlap each other or the inputs. Limits (the kernel indexes in int32): the cache holds fewer
+// than 2^31 token slots (num_pages x page_size < 2^31), and one call writes fewer than
+// 2^31 - 2^24 vectors of 8 elements (nnz x num_kv_heads x head_dim / 8); each is refused with an
+// error naming k_pages / k_new.
 // Asynchronous on `stream`; never synchronizes.
 void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
                      const TensorView& append_indptr, const TensorView& k_new,

@@ -118,7 +118,7 @@ def test_decode_config_keywords_and_spellings():
     assert tessera.DecodeConfig(dtype="torch.bfloat16").dtype == tessera.DType.BF16
     assert tessera.DecodeConfig(dtype=tessera.DType.FP16).dtype == tessera.DType.FP16
     assert "num_qo_heads=32" in repr(c)
-    assert (c.batch_invariant, c.batch_invariant_chunk_tokens, c.batch_invariant_max_chunks) == (False, 2048, 0)
+    assert (c.batch_invariant, c.batch_invariant_chunk_tokens, c.batch_invariant_max_chunks) == (False, 1024, 0)
     inv = tessera.DecodeConfig(batch_invariant=True, batch_invariant_chunk_tokens=1024, batch_invariant_max_chunks=512)
     assert (inv.batch_invariant, inv.batch_invariant_chunk_tokens, inv.batch_invariant_max_chunks) == (True, 1024, 512)
     assert "batch_invariant_chunk_tokens=1024" in repr(inv)

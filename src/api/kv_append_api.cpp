@@ -134,7 +134,8 @@ void append_paged_kv(const PagedKVCache& cache, const PageTable& table,
   TESSERA_REQUIRE(check, vectors < (int64_t(1) << 31) - (int64_t(1) << 24), "k_new",
                   "too many rows for one call (" + std::to_string(nnz) + "); split the batch");
   TESSERA_REQUIRE(check, cache.num_pages() * cache.page_size() < (int64_t(1) << 31), "k_pages",
-                  "the cache holds more than 2^31 token slots");
+                  "the cache holds " + std::to_string(cache.num_pages() * cache.page_size()) +
+                      " token slots (num_pages x page_size); at most 2^31 - 1 are supported");
   check_page_table_host(check, table, cache, host_append_indptr, nnz);
   if (nnz == 0 || batch == 0) return;
 

@@ -685,22 +685,28 @@ TEST(DecodePlan, PlanIntoTheImageEqualsWriteImage) {
 namespace tessera::plan {
 namespace {
 
+// The batch-invariance tests' capacity (an H200 at hd128, both CTA shapes) and request 0 (20K keys)
+// alone, beside 63 short ones (one of them 4100 keys), and beside 3 other long ones.
+PlanCapacity invariance_capacity() {
+  PlanCapacity c = h200_decode(64);
+  c.ctas_per_sm = 2;
+  c.one_cta_per_sm_shape = true;
+  return c;
+}
+std::vector<Batch> invariance_batches() {
+  std::vector<int64_t> crowd_len(64, 300);
+  crowd_len[0] = 20000;
+  crowd_len[7] = 4100;
+  return {Batch(16, {20000}), Batch(16, crowd_len), Batch(16, {20000, 18000, 17000, 9000})};
+}
+
 // Batch-invariant plans (SplitPolicy::split = false, shape pinned): a request's work items are the
 // same in any batch, while the default policy plans the same request differently by batch (so
 // the test can tell the modes apart).
 TEST(DecodePlan, BatchInvariantPlansGiveARequestTheSameItemsInEveryBatch) {
-  const PlanCapacity cap = [] {
-    PlanCapacity c = h200_decode(64);
-    c.ctas_per_sm = 2;
-    c.one_cta_per_sm_shape = true;
-    return c;
-  }();
-  // Request 0 (20K keys) alone, beside 63 short ones, and beside 3 other long ones.
-  const Batch alone(16, {20000});
-  std::vector<int64_t> crowd_len(64, 300);
-  crowd_len[0] = 20000;
-  const Batch crowd(16, crowd_len);
-  const Batch long_ones(16, {20000, 18000, 17000, 9000});
+  const PlanCapacity cap = invariance_capacity();
+  const std::vector<Batch> batches = invariance_batches();
+  const Batch &alone = batches[0], &crowd = batches[1], &long_ones = batches[2];
   auto items_of_request0 = [](const Plan& p) {
     std::vector<std::pair<int32_t, int32_t>> ranges;
     for (const WorkItem& w : p.work)
@@ -739,18 +745,9 @@ TEST(DecodePlan, BatchInvariantPlansGiveARequestTheSameItemsInEveryBatch) {
 // request splits into the same chunks, merged the same way, alone and in any crowd; a step
 // needing more chunk partials than the workspace holds is refused, naming the capacity.
 TEST(DecodePlan, FixedChunkPlansGiveARequestTheSameChunksInEveryBatch) {
-  const PlanCapacity cap = [] {
-    PlanCapacity c = h200_decode(64);
-    c.ctas_per_sm = 2;
-    c.one_cta_per_sm_shape = true;
-    return c;
-  }();
-  const Batch alone(16, {20000});
-  std::vector<int64_t> crowd_len(64, 300);
-  crowd_len[0] = 20000;
-  crowd_len[7] = 4100;
-  const Batch crowd(16, crowd_len);
-  const Batch long_ones(16, {20000, 18000, 17000, 9000});
+  const PlanCapacity cap = invariance_capacity();
+  const std::vector<Batch> batches = invariance_batches();
+  const Batch &alone = batches[0], &crowd = batches[1], &long_ones = batches[2];
   SplitPolicy invariant;
   invariant.fixed_chunk_tokens = 2048;
   invariant.max_chunk_partials = 4096;
