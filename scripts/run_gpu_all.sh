@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: every GPU test, the benchmarks and the peers in one go.
 #   scripts/run_gpu_all.sh OUTDIR [BUILD_DIR]
-# Writes into OUTDIR: info.txt, run.txt, tests.log (+ tests.xml), sanitizer.log, bench.log,
+# Writes into OUTDIR: info.txt, run.txt, tests.log (+ tests.xml), sanitizer.log (the summary;
+# sanitizer_<tool>.log and sanitizers.json from scripts/run_sanitizers.sh), bench.log,
 # results.json (tessera and peers from this one run). Reuses BUILD_DIR (default build/) when it
 # holds a build; otherwise configures and builds it (needs CUTLASS headers: scripts/setup.sh).
 # Environment: TESSERA_COMMIT (recorded in results.json), BENCH_SUITES / PEER_SUITES (comma lists,
@@ -32,10 +33,9 @@ grep -E "^\[  (FAILED|SKIPPED) " "$out/tests.log" | head -20
 if command -v compute-sanitizer >/dev/null && [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   # racecheck sees shared-memory hazards only: it is run on the kernels that use shared memory.
   echo "== compute-sanitizer (memcheck, racecheck) on the GPU suites"
-  { compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='Gpu*' 2>&1 | tail -5
-    compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/tessera_tests" --gtest_filter='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuPrefill.CompactTileShapeForLessSharedMemory:GpuDecode.PageSizesAndLayouts:GpuDecode.OneCtaPerSmShape:GpuDecodeSplit.LongRequestAlone:GpuPrefillPaged.PagedEqualsRagged:GpuPrefillPaged.CompactTileShapeForLessSharedMemory:GpuMoeGemm.StridedViews:GpuMoeGemm.OffsetsFromMoePermute:GpuFusedMoe.SharedExpert' 2>&1 | tail -5
-  } > "$out/sanitizer.log" 2>&1
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer.log"
+  TOOLS="memcheck racecheck" FILTER='Gpu*' SECONDS_PER_TOOL=${SECONDS_PER_TOOL:-86400} \
+    RACECHECK_FILTER='GpuPrefill.ForcedPaths:GpuPrefill.GqaGroupsStridesAndScale:GpuPrefill.CompactTileShapeForLessSharedMemory:GpuDecode.PageSizesAndLayouts:GpuDecode.OneCtaPerSmShape:GpuDecodeSplit.LongRequestAlone:GpuPrefillPaged.PagedEqualsRagged:GpuPrefillPaged.CompactTileShapeForLessSharedMemory:GpuMoeGemm.StridedViews:GpuMoeGemm.OffsetsFromMoePermute:GpuFusedMoe.SharedExpert' \
+    scripts/run_sanitizers.sh "$out" "$build" | tee "$out/sanitizer.log"
 fi
 
 if (cd /tmp && python3 -c "import tessera" 2>/dev/null); then

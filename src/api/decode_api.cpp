@@ -130,12 +130,12 @@ plan::SplitPolicy split_policy(const DecodeConfig& c, const GpuShape& g) {
   if (c.batch_invariant) {
     policy.split = c.batch_invariant_chunk_tokens > 0;
     policy.fixed_chunk_tokens = c.batch_invariant_chunk_tokens;
-    const int64_t wave = int64_t(g.num_sms) * g.ctas_per_sm * policy.max_chunks_per_slot;
+    // (The balancing planner's own bound: max_chunks_per_slot partials a CTA slot of the wave.)
+    const int64_t planner_bound = int64_t(g.num_sms) * g.ctas_per_sm * policy.max_chunks_per_slot;
+    const int64_t eight_chunks = 8 * int64_t(c.max_batch_size) * c.num_kv_heads;
     policy.max_chunk_partials = c.batch_invariant_max_chunks > 0
                                     ? c.batch_invariant_max_chunks
-                                    : std::min<int64_t>(int64_t(1) << 30,
-                                                        std::max<int64_t>(wave, 8 * int64_t(c.max_batch_size) *
-                                                                                    c.num_kv_heads));
+                                    : std::min<int64_t>(int64_t(1) << 30, std::max(planner_bound, eight_chunks));
   }
   return policy;
 }

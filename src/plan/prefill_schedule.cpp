@@ -33,7 +33,6 @@ constexpr int64_t kSlotBits = 10;
 constexpr int64_t kSlotMask = (int64_t(1) << kSlotBits) - 1;
 constexpr int64_t kNone = INT64_MAX;  // a queue's end: never the smaller front
 
-
 // The groups longest first, equal costs in list order (the order they were listed in): a
 // counting sort by cost where the costs span a short range (every serving step: costs are KV
 // tiles), else a comparison sort of the keys.
@@ -59,19 +58,6 @@ const std::vector<uint64_t>& sort_groups(PrefillScheduleScratch& scratch) {
   return scratch.sorted_groups;
 }
 
-}  // namespace
-
-int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
-  int64_t tiles = 0;
-  for (int64_t r = 0; r < pr.batch; ++r) {
-    const int64_t qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
-    tiles += (qo + pr.block_m - 1) / pr.block_m;
-  }
-  return tiles * pr.num_qo_heads * pr.kv_splits;
-}
-
-namespace {
-
 // LPT, every tile to the least loaded slot, taken a batch of equal costs at a time. Within a batch
 // (cost c) the picks come from two sorted queues: the slots not yet taken, by key (`sorted`), and
 // the ones the batch has loaded, in the order it loaded them (`loaded`: each pick is the smallest
@@ -96,7 +82,7 @@ bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
   sorted[slots] = kNone;
   scratch.lists.resize(slots * size_t(capacity));
   int32_t* lists = scratch.lists.data();
-  std::vector<int32_t>& length = scratch.counts;
+  std::vector<int32_t>& length = scratch.lengths;
   length.assign(slots, 0);
   res.longest = res.total = 0.0;
   const int32_t* position = tile_position;  // the next tile's
@@ -176,6 +162,16 @@ bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
 
 }  // namespace
 
+int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
+  int64_t tiles = 0;
+  for (int64_t r = 0; r < pr.batch; ++r) {
+    const int64_t qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
+    tiles += (qo + pr.block_m - 1) / pr.block_m;
+  }
+  return tiles * pr.num_qo_heads * pr.kv_splits;
+}
+
+
 PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t* slot_begin, int32_t* positions,
                                        PrefillScheduleScratch& scratch) {
   PrefillScheduleResult res;
@@ -217,8 +213,8 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
   while (!assign_tiles(order, heads, slots, scratch.tile_position.data(), capacity, scratch, res)) capacity *= 2;
   slot_begin[0] = 0;
   for (size_t s = 0; s < slots; ++s) {
-    slot_begin[s + 1] = slot_begin[s] + scratch.counts[s];
-    std::copy(scratch.lists.data() + s * size_t(capacity), scratch.lists.data() + s * size_t(capacity) + scratch.counts[s],
+    slot_begin[s + 1] = slot_begin[s] + scratch.lengths[s];
+    std::copy(scratch.lists.data() + s * size_t(capacity), scratch.lists.data() + s * size_t(capacity) + scratch.lengths[s],
               positions + slot_begin[s]);
   }
   res.tiles = tiles;

@@ -47,7 +47,7 @@ struct PrefillScheduleScratch {
   std::vector<int64_t> keys;            // the slot queues
   std::vector<int32_t> tile_position;   // each tile's list position, in pick order
   std::vector<int32_t> lists;           // each slot's positions, at a fixed capacity a slot
-  std::vector<int32_t> counts;          // each slot's list length
+  std::vector<int32_t> lengths;         // each slot's list length
 };
 
 // Writes slot_begin [slots + 1] (slot s runs positions[slot_begin[s] .. slot_begin[s + 1])) and

@@ -51,6 +51,18 @@ Scheduled run(const PrefillScheduleProblem& p) {
   return s;
 }
 
+// A group's cost as the scheduler models it: the KV tiles of the split's run (the kernels' cut:
+// equal runs, the last shorter, some empty) plus the start-up.
+int64_t group_cost(const Batch& b, const PrefillScheduleProblem& p, int64_t request, int64_t m_tile, int64_t split) {
+  const int qo = b.qo_indptr[request + 1] - b.qo_indptr[request];
+  const int64_t pages = b.kv_indptr[request + 1] - b.kv_indptr[request];
+  const int kv = pages ? static_cast<int>((pages - 1) * p.page_size + b.last[size_t(request)]) : 0;
+  const int64_t tiles = query_tile_kv_tiles(qo, kv, p.causal, p.window_left, static_cast<int>(m_tile * p.block_m),
+                                            p.block_m, p.block_n);
+  const int64_t per = (tiles + p.kv_splits - 1) / p.kv_splits;
+  return kTileStartCost + std::clamp<int64_t>(tiles - split * per, 0, per);
+}
+
 // Checks the invariants; returns a description of the first broken one ("" when all hold).
 std::string check(const Batch& b, const PrefillScheduleProblem& p, const Scheduled& s) {
   int max_qo = 0;
@@ -79,13 +91,7 @@ std::string check(const Batch& b, const PrefillScheduleProblem& p, const Schedul
   auto cost = [&](int32_t pos) {
     const int64_t tile = pos / p.kv_splits, split = pos - tile * p.kv_splits;
     const int64_t pair = tile / m_tiles, m_tile = tile - pair * m_tiles, request = pair / p.num_qo_heads;
-    const int qo = b.qo_indptr[request + 1] - b.qo_indptr[request];
-    const int64_t pages = b.kv_indptr[request + 1] - b.kv_indptr[request];
-    const int kv = pages ? static_cast<int>((pages - 1) * p.page_size + b.last[size_t(request)]) : 0;
-    const int64_t tiles = query_tile_kv_tiles(qo, kv, p.causal, p.window_left, static_cast<int>(m_tile * p.block_m),
-                                              p.block_m, p.block_n);
-    const int64_t per = (tiles + p.kv_splits - 1) / p.kv_splits;
-    return kTileStartCost + double(std::clamp<int64_t>(tiles - split * per, 0, per));
+    return double(group_cost(b, p, request, m_tile, split));
   };
   double makespan = 0.0, total = 0.0, longest = 0.0;
   for (int i = 0; i < p.slots; ++i) {
@@ -118,15 +124,9 @@ Scheduled reference_lpt(const Batch& b, const PrefillScheduleProblem& p) {
   };
   std::vector<Group> groups;
   for (int64_t r = 0; r < b.size(); ++r) {
-    const int qo = b.qo_indptr[r + 1] - b.qo_indptr[r];
-    const int64_t pages = b.kv_indptr[r + 1] - b.kv_indptr[r];
-    const int kv = pages ? static_cast<int>((pages - 1) * p.page_size + b.last[size_t(r)]) : 0;
-    for (int m = 0; m * p.block_m < qo; ++m) {
-      const int64_t tiles = query_tile_kv_tiles(qo, kv, p.causal, p.window_left, m * p.block_m, p.block_m, p.block_n);
-      const int64_t per = (tiles + p.kv_splits - 1) / p.kv_splits;
+    for (int m = 0; m * p.block_m < b.qo_indptr[r + 1] - b.qo_indptr[r]; ++m) {
       for (int s = 0; s < p.kv_splits; ++s) {
-        groups.push_back({kTileStartCost + std::clamp<int64_t>(tiles - s * per, 0, per),
-                          (r * p.num_qo_heads * m_tiles + m) * p.kv_splits + s});
+        groups.push_back({group_cost(b, p, r, m, s), (r * p.num_qo_heads * m_tiles + m) * p.kv_splits + s});
       }
     }
   }
