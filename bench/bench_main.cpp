@@ -1,7 +1,7 @@
 // tessera's benchmarks. One case per invocation, parameters as key=value; prints one JSON object
 // (the record's tessera side) on the last line. bench/run_bench.py feeds it the case files of
 // bench/cases and merges the peers' figures measured in the same run.
-//   tessera_bench ceiling
+//   tessera_bench ceiling [bytes=N] (the streamed buffer; default 4 GiB)
 //   tessera_bench append name=b8_a8192_nhd batch=8 append_len=8192 num_kv_heads=8 head_dim=128 page_size=16 layout=NHD
 //   tessera_bench merge name=... rows=16384 heads=32 head_dim=128 n=2 in_dtype=bf16 out_dtype=bf16
 //   tessera_bench decode name=b64_kv4096_p16 batch=64 kv_len=4096 num_qo_heads=32 num_kv_heads=8 head_dim=128 page_size=16
@@ -1025,9 +1025,10 @@ int main(int argc, char** argv) {
   const std::string suite = argv[1];
   try {
     if (suite == "ceiling") {
-      const Ceilings c = measure_ceilings();
-      std::printf("{\"gpu\": \"%s\", \"copy\": %.4f, \"read\": %.4f, \"launch_us\": %.3f}\n", info.name.c_str(),
-                  c.copy_tbs, c.read_tbs, c.launch_us);
+      const size_t bytes = a.count("bytes") ? size_t(std::stoll(a["bytes"])) : size_t(4) << 30;
+      const Ceilings c = measure_ceilings(bytes);
+      std::printf("{\"gpu\": \"%s\", \"bytes\": %zu, \"copy\": %.4f, \"read\": %.4f, \"launch_us\": %.3f}\n",
+                  info.name.c_str(), bytes, c.copy_tbs, c.read_tbs, c.launch_us);
       return 0;
     }
     if (suite == "append") return bench_append(a);

@@ -2,6 +2,7 @@
 //   copy: a plain device-to-device copy kernel, 16 bytes per thread, counting read + write;
 //   read: a read-only streaming kernel, 16-byte loads, grid-stride, the decode ceiling.
 // Also a fill kernel that puts random-looking finite bf16/fp32 values into benchmark buffers.
+#include <algorithm>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -88,8 +89,8 @@ void fill_random(void* p, size_t bytes, uint32_t seed, bool fp32) {
   cuda_ok(cudaGetLastError(), "fill");
 }
 
-Ceilings measure_ceilings() {
-  const size_t bytes = size_t(4) << 30;  // 4 GiB: ~70x the L2
+Ceilings measure_ceilings(size_t bytes) {
+  bytes = std::max<size_t>(bytes / 16 * 16, 16);
   Buffer a(bytes), b(bytes), sink(16);
   fill_random(a.get(), bytes, 1, false);
   const size_t n = bytes / 16;

@@ -11,7 +11,9 @@ struct Ceilings {
   double launch_us = 0; // an empty one-wave kernel: the per-launch floor of the timing method
 };
 
-Ceilings measure_ceilings();
+// bytes: the streamed buffer (default 4 GiB, ~70x the L2); a smaller one (still several times the L2)
+// gives the ceiling of a stream of that length, fixed costs of a launch included.
+Ceilings measure_ceilings(size_t bytes = size_t(4) << 30);
 
 // Fills a device buffer with finite values in [-1, 1): bf16 pairs, or fp32 when `fp32`.
 void fill_random(void* p, size_t bytes, uint32_t seed, bool fp32);

@@ -363,7 +363,10 @@ struct GemmConsumer {
     constexpr int kBlocks = AccTile<C::kAccCols>::kBlocks;
     if constexpr (C::kSwiGLU) {
       // Consumer 1 holds the up rows: they go through shared memory to consumer 0, which holds
-      // the gate rows of the same columns.
+      // the gate rows of the same columns. Both consumers pass the same two barrier instructions
+      // (1: the up rows are written; 2: consumer 0 has read them, the buffer is free again): with
+      // each consumer's barriers in its own branch, compute-sanitizer synccheck reported every
+      // warp "divergent" at barrier 1 (bar.sync is .aligned; notes/reliability.md).
       float* exchange = smem.exchange();
       constexpr int kStride = Smem::kExchangeStride;
       if (consumer == 1) {
@@ -371,21 +374,20 @@ struct GemmConsumer {
         for (int j = 0; j < kBlocks; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) exchange[(16 * warp + g + 8 * (e / 2)) * kStride + 8 * j + 2 * q + (e & 1)] = acc.v[j][e];
-        named_barrier_sync(1, 256);
-        named_barrier_sync(2, 256);  // consumer 0 has read them
-        return;
       }
       named_barrier_sync(1, 256);
-      const int out_cols = p.base.n / 2;
+      if (consumer == 0) {
+        const int out_cols = p.base.n / 2;
 #pragma unroll
-      for (int j = 0; j < kBlocks; ++j) {
+        for (int j = 0; j < kBlocks; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int local_col = 16 * warp + g + 8 * (e / 2);
-          const int tok = 8 * j + 2 * q + (e & 1);
-          const float u = exchange[local_col * kStride + tok];
-          const int row = t.row0 + tok, col = t.col0 + local_col;
-          if (row < t.row_end && col < out_cols) out[int64_t(row) * p.base.out_stride + col] = round_half<T>(swiglu(acc.v[j][e], u));
+          for (int e = 0; e < 4; ++e) {
+            const int local_col = 16 * warp + g + 8 * (e / 2);
+            const int tok = 8 * j + 2 * q + (e & 1);
+            const float u = exchange[local_col * kStride + tok];
+            const int row = t.row0 + tok, col = t.col0 + local_col;
+            if (row < t.row_end && col < out_cols) out[int64_t(row) * p.base.out_stride + col] = round_half<T>(swiglu(acc.v[j][e], u));
+          }
         }
       }
       named_barrier_sync(2, 256);
