@@ -14,7 +14,6 @@ The reference gathers each request's keys from the pages and runs softmax attent
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
@@ -22,6 +21,9 @@ import numpy as np
 import torch
 
 import tessera
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from soak_memory import MemoryTrack  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 MAX_BATCH, NUM_PAGES = 64, 8192
@@ -70,7 +72,7 @@ def main():
         requests.append({"pages": pages, "kv_len": prompt})
 
     step, checks, max_err, errors = 0, 0, 0.0, []
-    mem0 = rss0 = None
+    memory = MemoryTrack(warmup=200)
     start = time.time()
     while time.time() - start < args.seconds:
         step += 1
@@ -130,18 +132,15 @@ def main():
         except Exception as e:  # any error ends the soak, recorded
             errors.append("step %d: %s: %s" % (step, type(e).__name__, e))
             break
-        if step == 200:  # memory after warm-up
-            torch.cuda.synchronize()
-            mem0, rss0 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if memory.due(step):  # this step's inputs and reference released first
+            k_new = v_new = want = None
+            memory.sample()
         if len(errors) > 10:
             break
-    torch.cuda.synchronize()
-    mem1, rss1 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    grew = mem0 is not None and (mem1 > mem0 or rss1 > rss0 * 1.05 + 16384)
-    if grew:
-        errors.append("memory grew: device %s -> %d bytes, host max RSS %s -> %d KB" % (mem0, mem1, rss0, rss1))
+    mem_errors, mem_summary = memory.verdict()
+    errors.extend(mem_errors)
     result = {"steps": step, "checks": checks, "max_err": max_err, "errors": errors, "seconds": time.time() - start,
-              "device_bytes": [mem0, mem1], "host_max_rss_kb": [rss0, rss1], "gpu": torch.cuda.get_device_name(),
+              "memory": mem_summary, "gpu": torch.cuda.get_device_name(),
               "tessera": tessera.__version__}
     with open(os.path.join(args.out, "soak.json"), "w") as f:
         json.dump(result, f, indent=1)

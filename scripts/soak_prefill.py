@@ -18,7 +18,6 @@ for its new rows (bottom-right aligned).
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
@@ -26,6 +25,9 @@ import numpy as np
 import torch
 
 import tessera
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from soak_memory import MemoryTrack  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 MAX_BATCH, MAX_ROWS, NUM_PAGES = 32, 2048, 8192
@@ -70,7 +72,7 @@ def main():
     graph = None
 
     step, checks, max_err, errors, split_steps = 0, 0, 0.0, [], 0
-    mem0 = rss0 = None
+    memory = MemoryTrack(warmup=100)
     start = time.time()
     while time.time() - start < args.seconds:
         step += 1
@@ -146,20 +148,15 @@ def main():
         except Exception as e:  # any error ends the soak, recorded
             errors.append("step %d: %s: %s" % (step, type(e).__name__, e))
             break
-        if step == 100:  # memory after warm-up (without this step's inputs, sized by its rows)
-            k_new = v_new = None
-            torch.cuda.synchronize()
-            mem0, rss0 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if memory.due(step):  # this step's inputs and reference released first
+            k_new = v_new = want = None
+            memory.sample()
         if len(errors) > 10:
             break
-    k_new = v_new = None
-    torch.cuda.synchronize()
-    mem1, rss1 = torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    grew = mem0 is not None and (mem1 > mem0 or rss1 > rss0 * 1.05 + 16384)
-    if grew:
-        errors.append("memory grew: device %s -> %d bytes, host max RSS %s -> %d KB" % (mem0, mem1, rss0, rss1))
+    mem_errors, mem_summary = memory.verdict()
+    errors.extend(mem_errors)
     result = {"steps": step, "checks": checks, "split_steps": split_steps, "max_err": max_err, "errors": errors,
-              "seconds": time.time() - start, "device_bytes": [mem0, mem1], "host_max_rss_kb": [rss0, rss1],
+              "seconds": time.time() - start, "memory": mem_summary,
               "gpu": torch.cuda.get_device_name(), "tessera": tessera.__version__}
     with open(os.path.join(args.out, "soak_prefill.json"), "w") as f:
         json.dump(result, f, indent=1)
