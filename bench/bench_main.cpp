@@ -1025,7 +1025,7 @@ int main(int argc, char** argv) {
   const std::string suite = argv[1];
   try {
     if (suite == "ceiling") {
-      const size_t bytes = a.count("bytes") ? size_t(std::stoll(a["bytes"])) : size_t(4) << 30;
+      const size_t bytes = a.count("bytes") ? size_t(arg_int(a, "bytes")) : kCeilingBytes;
       const Ceilings c = measure_ceilings(bytes);
       std::printf("{\"gpu\": \"%s\", \"bytes\": %zu, \"copy\": %.4f, \"read\": %.4f, \"launch_us\": %.3f}\n",
                   info.name.c_str(), bytes, c.copy_tbs, c.read_tbs, c.launch_us);

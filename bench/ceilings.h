@@ -13,7 +13,8 @@ struct Ceilings {
 
 // bytes: the streamed buffer (default 4 GiB, ~70x the L2); a smaller one (still several times the L2)
 // gives the ceiling of a stream of that length, fixed costs of a launch included.
-Ceilings measure_ceilings(size_t bytes = size_t(4) << 30);
+constexpr size_t kCeilingBytes = size_t(4) << 30;
+Ceilings measure_ceilings(size_t bytes = kCeilingBytes);
 
 // Fills a device buffer with finite values in [-1, 1): bf16 pairs, or fp32 when `fp32`.
 void fill_random(void* p, size_t bytes, uint32_t seed, bool fp32);
