@@ -1633,6 +1633,14 @@ def tessera_merge(p, budget_s):
     return case_work("merge", p) / t / 1e12
 
 
+def bracket_readings(before, after, notes):
+    """tessera's figure from its readings before and after the peers: their mean, both kept in
+    notes (tessera_python_before / _after); one reading alone when the other failed."""
+    notes["tessera_python_before"], notes["tessera_python_after"] = before, after
+    readings = [v for v in (before, after) if v is not None]
+    return sum(readings) / len(readings) if readings else None
+
+
 def measure_tessera_python(suite, p, budget_s, notes, peers):
     """Fills peers["tessera_python"] (and, for decode, "tessera_python_stream") or an error note."""
     try:
@@ -1746,6 +1754,12 @@ def run_all(suites, args):
         for case in cases:
             p = params_of(case)
             t_case = time.perf_counter()
+            # --tessera-python: tessera is timed before and after the peers and the two readings
+            # averaged, so that its figure brackets the thermal state the peers ran in (timed only
+            # after them, it ran hottest: the power limit lowers the clock over a suite).
+            before_peers, before_notes = {}, {}
+            if args.tessera_python:
+                measure_tessera_python(suite, p, args.time_per_peer, before_notes, before_peers)
             try:
                 peers, notes, ceiling = RUNNERS[suite](p, args)
             except Exception as e:  # the case's own setup failed (e.g. out of memory)
@@ -1755,7 +1769,7 @@ def run_all(suites, args):
             if args.tessera_python:
                 peers, notes = dict(peers), dict(notes)
                 measure_tessera_python(suite, p, args.time_per_peer, notes, peers)
-                tessera_value = peers.pop("tessera_python")
+                tessera_value = bracket_readings(before_peers.get("tessera_python"), peers.pop("tessera_python"), notes)
                 if suite == "decode" and "tessera_python_stream" in peers:
                     value = peers.pop("tessera_python_stream")
                     notes["stream_tbs"] = value
@@ -1830,15 +1844,23 @@ def print_table(doc):
         for r in recs:
             peer_names += [k for k in r.get("peers", {}) if k not in peer_names]
         print("\n%s (%s)" % (suite, recs[0].get("metric", "")))
-        header = ["case", "tessera"] + peer_names + ["tessera/best"]
+        # tessera/best: tessera's own benchmark (another process, another moment) over the best peer;
+        # python/best: tessera through its package, timed in the peers' process between them
+        # (--tessera-python), over the best peer: the comparison over equal conditions.
+        same_process = "tessera_python" in peer_names
+        header = ["case", "tessera"] + peer_names + ["tessera/best"] + (["python/best"] if same_process else [])
         rows = []
         for r in recs:
             peers = r.get("peers", {})
             # Per-launch peers only: *_stream peers compare with tessera's stream_tbs, not its figure.
-            vals = [v for k, v in peers.items() if v and not k.endswith("_stream")]
+            vals = [v for k, v in peers.items() if v and not k.endswith("_stream") and not k.startswith("tessera")]
             ratio = r.get("tessera") / max(vals) if r.get("tessera") and vals else None
-            rows.append([r["case"], fmt(r.get("tessera"))] + [fmt(peers.get(k)) for k in peer_names]
-                        + ["-" if ratio is None else "%.2f" % ratio])
+            row = [r["case"], fmt(r.get("tessera"))] + [fmt(peers.get(k)) for k in peer_names] + [
+                "-" if ratio is None else "%.2f" % ratio]
+            if same_process:
+                py = peers.get("tessera_python")
+                row.append("-" if not py or not vals else "%.2f" % (py / max(vals)))
+            rows.append(row)
         widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
         for row in [header] + rows:
             print("  " + "  ".join(str(x).rjust(w) if i else str(x).ljust(w)
@@ -1914,8 +1936,11 @@ def main(argv=None):
     env["gpu"] = torch.cuda.get_device_name()
     env["seconds"] = round(time.perf_counter() - t0, 1)
     env["units"] = "peers in the record's metric; ceilings gemm* TFLOP/s, copy*/read* TB/s"
-    env["timing"] = ("median of >= 20 per-call CUDA-event times after warm-up; each batch of 20 calls is "
-                     "enqueued behind a torch.cuda._sleep spin kernel, so host/launch overhead is excluded")
+    env["timing"] = ("median of per-call CUDA-event times over >= 20 calls and >= --time-per-peer seconds "
+                     "after >= 3 calls and 50 ms of warm-up (tessera_bench's median_ms is the same protocol); "
+                     "each batch of 20 calls is enqueued behind a torch.cuda._sleep spin kernel, so host/launch "
+                     "overhead is excluded" + ("; tessera_python is the mean of its readings before and after "
+                                               "the peers of each case" if args.tessera_python else ""))
 
     if args.merge_into:
         with open(args.merge_into) as f:

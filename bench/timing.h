@@ -1,4 +1,4 @@
-// Benchmark timing: CUDA events around each launch after a warm-up, the median of many runs, and
+// Benchmark timing: CUDA events around each launch after a warm-up, the median over a fixed window, and
 // enough rotating input sets that the working set is several times the L2, so no run is served
 // from a cache the previous run warmed.
 #pragma once
@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -34,24 +35,70 @@ inline int rotations_for(double bytes) {
   return std::clamp(static_cast<int>(wanted) + 1, 1, 64);
 }
 
-// Median milliseconds of run(i) for i = 0, 1, 2, ... (the caller rotates inputs by i).
-inline double median_ms(const std::function<void(int)>& run, int warmup = 5, int iters = 50) {
-  for (int i = 0; i < warmup; ++i) run(i);
-  cuda_ok(cudaDeviceSynchronize(), "warm-up");
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
-  // Back-to-back launches, one event between each: per-launch times without host gaps.
-  gpu_spin(iters * 100.0 + 2000.0);  // room for host-side argument checks per launch
-  cuda_ok(cudaEventRecord(ev[0]), "record");
-  for (int i = 0; i < iters; ++i) {
-    run(warmup + i);
-    cuda_ok(cudaEventRecord(ev[i + 1]), "record");
+// The benchmarks' one timing protocol, the same as bench/peers.py's time_cuda, so that tessera's
+// figures and the peers' are taken over equal windows: a warm-up of at least `min_warmup` calls and
+// kWarmupSeconds, then per-call CUDA-event times over at least `min_iters` calls and
+// kWindowSeconds of calls (at most kMaxIters), enqueued in batches of kBatch behind a spin kernel
+// (the events then time GPU work, not the host's launch rate); the median. Median milliseconds of
+// run(i) for i = 0, 1, 2, ... (the caller rotates inputs by i).
+// Why a window in seconds and not a count of calls: under full tensor load the H200 keeps its
+// 1.98 GHz clock for a few tens of milliseconds and then settles at its power limit (690-700 W,
+// 1.5-1.9 GHz). 3 + 20 launches of a 1.6 ms prefill were timed at the high clock while the peers'
+// 0.3 s windows ran at the power limit: the same kernel read 693 TFLOP/s here and 623 through the
+// Python package in the peers' process, run 2026-12-05 (notes/prefill_hopper.md, "Timing windows").
+constexpr double kWarmupSeconds = 0.05;
+constexpr double kWindowSeconds = 0.25;
+constexpr int kMaxIters = 1000;
+constexpr int kBatch = 20;
+inline double median_ms(const std::function<void(int)>& run, int min_warmup = 3, int min_iters = 20) {
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  int next = 0;
+  const Clock::time_point warm_start = Clock::now();
+  while (next < min_warmup || seconds_since(warm_start) < kWarmupSeconds) {
+    run(next++);
+    cuda_ok(cudaDeviceSynchronize(), "warm-up");
   }
-  cuda_ok(cudaEventSynchronize(ev[iters]), "sync");
+  // One call's GPU and host times, from three back-to-back calls.
+  cudaEvent_t a, b;
+  cuda_ok(cudaEventCreate(&a), "cudaEventCreate");
+  cuda_ok(cudaEventCreate(&b), "cudaEventCreate");
+  cuda_ok(cudaEventRecord(a), "record");
+  const Clock::time_point host_start = Clock::now();
+  for (int i = 0; i < 3; ++i) run(next++);
+  const double host_s = seconds_since(host_start) / 3;
+  cuda_ok(cudaEventRecord(b), "record");
+  cuda_ok(cudaEventSynchronize(b), "sync");
+  float three_ms = 0.f;
+  cuda_ok(cudaEventElapsedTime(&three_ms, a, b), "elapsed");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  const double per_call_s = std::max({three_ms / 3e3, host_s, 1e-6});
+  const int iters = static_cast<int>(std::clamp(kWindowSeconds / per_call_s, double(min_iters), double(kMaxIters)));
+  std::vector<cudaEvent_t> start(iters), end(iters);
+  for (int i = 0; i < iters; ++i) {
+    cuda_ok(cudaEventCreate(&start[i]), "cudaEventCreate");
+    cuda_ok(cudaEventCreate(&end[i]), "cudaEventCreate");
+  }
+  for (int b0 = 0; b0 < iters; b0 += kBatch) {
+    // Room for the host to enqueue the batch (argument checks included) before the GPU reaches it.
+    gpu_spin(std::min(50e3, 1.5e6 * kBatch * host_s + 100.0));
+    for (int i = b0; i < std::min(iters, b0 + kBatch); ++i) {
+      cuda_ok(cudaEventRecord(start[i]), "record");
+      run(next++);
+      cuda_ok(cudaEventRecord(end[i]), "record");
+    }
+  }
+  cuda_ok(cudaEventSynchronize(end[iters - 1]), "sync");
   cuda_ok(cudaGetLastError(), "launch");
   std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) cuda_ok(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "elapsed");
-  for (auto& e : ev) cudaEventDestroy(e);
+  for (int i = 0; i < iters; ++i) {
+    cuda_ok(cudaEventElapsedTime(&ms[i], start[i], end[i]), "elapsed");
+    cudaEventDestroy(start[i]);
+    cudaEventDestroy(end[i]);
+  }
   std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
   return ms[iters / 2];
 }
