@@ -1633,10 +1633,11 @@ def tessera_merge(p, budget_s):
     return case_work("merge", p) / t / 1e12
 
 
-def bracket_readings(before, after, notes):
-    """tessera's figure from its readings before and after the peers: their mean, both kept in
-    notes (tessera_python_before / _after); one reading alone when the other failed."""
-    notes["tessera_python_before"], notes["tessera_python_after"] = before, after
+def bracket_readings(key, before, after, notes):
+    """A tessera figure (key: tessera_python, tessera_python_stream) from its readings before and
+    after the peers: their mean, both kept in notes (<key>_before / _after); one reading alone when
+    the other failed."""
+    notes[key + "_before"], notes[key + "_after"] = before, after
     readings = [v for v in (before, after) if v is not None]
     return sum(readings) / len(readings) if readings else None
 
@@ -1769,10 +1770,13 @@ def run_all(suites, args):
             if args.tessera_python:
                 peers, notes = dict(peers), dict(notes)
                 measure_tessera_python(suite, p, args.time_per_peer, notes, peers)
-                tessera_value = bracket_readings(before_peers.get("tessera_python"), peers.pop("tessera_python"), notes)
+                if "tessera_python_error" in before_notes:
+                    notes["tessera_python_before_error"] = before_notes["tessera_python_error"]
+                tessera_value = bracket_readings("tessera_python", before_peers.get("tessera_python"),
+                                                 peers.pop("tessera_python"), notes)
                 if suite == "decode" and "tessera_python_stream" in peers:
-                    value = peers.pop("tessera_python_stream")
-                    notes["stream_tbs"] = value
+                    notes["stream_tbs"] = bracket_readings("tessera_python_stream", before_peers.get("tessera_python_stream"),
+                                                           peers.pop("tessera_python_stream"), notes)
                 if "tessera_python" in notes:
                     notes["tessera"] = notes.pop("tessera_python")
             torch.cuda.synchronize()
