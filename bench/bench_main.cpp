@@ -283,9 +283,18 @@ void force_schedule_if_asked(const Args& a) {
   dispatch::force_prefill_sm90_schedule(&schedule);
 }
 
+// gqa_pack=auto|on|off: packed GQA on the Hopper family as the dispatcher decides, wherever the
+// group allows it, or never (ablations; dispatch::force_prefill_gqa_pack).
+void force_gqa_pack(const Args& a) {
+  const std::string mode = arg(a, "gqa_pack", "auto");
+  dispatch::force_prefill_gqa_pack(mode == "on"    ? dispatch::GqaPack::kAlways
+                                   : mode == "off" ? dispatch::GqaPack::kNever
+                                                   : dispatch::GqaPack::kAuto);
+}
+
 // prefill: FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
 //   [path=portable|hopper] forces a family; [scheduler= order=inner|outer|mirror heavy_first= run_length=]
-//   the Hopper schedule.
+//   the Hopper schedule; [gqa_pack=auto|on|off] packed GQA (force_gqa_pack).
 int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
@@ -299,6 +308,7 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const long smem_limit_kb = arg_int(a, "smem_limit_kb", "0");
   dispatch::limit_shared_memory_per_block(static_cast<int>(smem_limit_kb * 1024));
   force_schedule_if_asked(a);
+  force_gqa_pack(a);
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);
@@ -648,8 +658,10 @@ int bench_prefill_plan(const Args& a) {
   const bool fixed_grid = arg(a, "cuda_graph", "false") == "true";
   dispatch::force_prefill_kv_splits(static_cast<int>(arg_int(a, "kv_splits", "0")));
   force_schedule_if_asked(a);
+  force_gqa_pack(a);
   PagedPrefillConfig pcfg;
   pcfg.num_qo_heads = qh;
+  pcfg.num_kv_heads = kh;  // as an engine configures it (packed GQA on the fixed grid; gqa_pack=off: none)
   pcfg.head_dim = d;
   pcfg.page_size = P;
   pcfg.max_q_rows = static_cast<int>(q_rows);
@@ -700,14 +712,14 @@ int bench_prefill_plan(const Args& a) {
               "\"tessera\": %.2f, \"time_us\": %.1f, \"q_tokens\": %lld, \"kv_tokens\": %lld, "
               "\"rotations\": %d, \"page_size\": %d, \"layout\": \"%s\", \"kv_splits\": %d, "
               "\"plan_path\": \"%s\", \"estimated_us\": %.1f, \"cuda_graph\": %s, \"plan_us\": %.1f, "
-              "\"max_batch_size\": %d, \"fixed_grid\": %s, \"batch_invariant\": %s}\n",
+              "\"max_batch_size\": %d, \"fixed_grid\": %s, \"batch_invariant\": %s, \"gqa_pack\": %d}\n",
               arg(a, "name").c_str(), flops / (ms * 1e-3) / 1e12, ms * 1e3, static_cast<long long>(q_rows),
               static_cast<long long>(host_table.tokens), rot, P, kv_layout_name(layout),
               use_split ? prefill.last_plan().kv_splits : 1,
               attention_path_name(use_split ? prefill.last_plan().path : AttentionPath::kAuto),
               use_split ? prefill.last_plan().estimated_us : 0.0, fixed_grid ? "true" : "false", plan_us[25],
               pcfg.max_batch_size, use_split && prefill.last_plan().fixed_grid ? "true" : "false",
-              pcfg.batch_invariant ? "true" : "false");
+              pcfg.batch_invariant ? "true" : "false", use_split ? prefill.last_plan().gqa_pack : 0);
   return 0;
 }
 

@@ -81,9 +81,11 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
 }
 
 
-// One prefill step: qo_lens[i] new rows over kv_lens[i] keys (history included), pages of 16.
+// One prefill step: qo_lens[i] new rows over kv_lens[i] keys (history included), pages of 16,
+// `heads` query heads in 128-row tiles; pack > 0: packed GQA of 2^pack query heads a KV head (the
+// Hopper fixed grid with num_kv_heads given: heads >> pack list heads, 128 >> pack tokens a tile).
 void run_schedule(const char* name, const std::vector<int32_t>& qo_lens, const std::vector<int32_t>& kv_lens,
-                  int iterations, int heads = 32) {
+                  int iterations, int heads = 32, int pack = 0) {
   if (std::string(name).find(g_filter) == std::string::npos) return;
   std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, last;
   for (size_t i = 0; i < qo_lens.size(); ++i) {
@@ -98,8 +100,8 @@ void run_schedule(const char* name, const std::vector<int32_t>& qo_lens, const s
   p.last_page_len = last.data();
   p.page_size = 16;
   p.batch = int64_t(qo_lens.size());
-  p.num_qo_heads = heads;
-  p.block_m = 128;
+  p.num_qo_heads = heads >> pack;
+  p.block_m = 128 >> pack;
   p.block_n = 128;
   p.causal = true;
   p.slots = 132;
@@ -123,7 +125,7 @@ void run_schedule(const char* name, const std::vector<int32_t>& qo_lens, const s
 
 // The prefill_plan suite's serving steps (bench/cases/prefill_plan.json): `chunks` prefill chunks
 // of `chunk` rows spread through `requests` requests, the rest decode-like (1 row); histories
-// uniform in [lo, hi).
+// uniform in [lo, hi). Also as a GQA-4 model (32 query / 8 KV heads) schedules it packed: `name`_gqa4.
 void run_serving(const char* name, int requests, int chunks, int chunk, int lo, int hi, int iterations,
                  std::mt19937& rng) {
   std::vector<int32_t> qo, kv;
@@ -132,6 +134,8 @@ void run_serving(const char* name, int requests, int chunks, int chunk, int lo, 
     kv.push_back(std::uniform_int_distribution<int32_t>(lo, hi - 1)(rng) + (qo.back() > 1 ? chunk : 0));
   }
   run_schedule(name, qo, kv, iterations);
+  run_schedule((std::string(name) + "_gqa4").c_str(), qo, kv, iterations, 32, 2);
+  run_schedule((std::string(name) + "_gqa8").c_str(), qo, kv, iterations, 32, 3);
 }
 
 }  // namespace

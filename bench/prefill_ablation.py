@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
-"""Times every case of the prefill suite under each variant of the prefill kernels, in one process
-per (case, variant), and prints a table of TFLOP/s with each variant's ratio to the first.
+"""Times every case of a prefill suite (the case file's "suite": prefill, prefill_paged,
+prefill_plan) under each variant of the prefill kernels, in one process per (case, variant), and
+prints a table of TFLOP/s with each variant's ratio to the first.
 
   python3 bench/prefill_ablation.py --bench build/bench/tessera_bench --out OUT.jsonl \
       [--cases bench/cases/prefill.json] [--variants auto,portable,persistent_inner,...] [--filter hd128]
+      [--builds new=build/bench/tessera_bench,old=other/tessera_bench] [--rounds 2]
+
+--builds compares benchmark binaries of other builds (ablation switches, older trees): every
+(build, variant) pair is a column, timed one after another for each case, and --rounds repeats
+the whole pass (interleaved rounds: clocks and power drift between rounds, not between columns);
+the table shows each column's median over the rounds.
 
 Variants (tessera_bench prefill parameters):
   auto                    what the dispatcher picks
@@ -14,10 +21,13 @@ Variants (tessera_bench prefill parameters):
   persistent_mirror       Hopper, one CTA per SM taking a query tile and its mirror (last + first, ...)
   single_inner            Hopper, one tile per CTA, each head's query tiles together
   single_outer_heavy      Hopper, one tile per CTA, the last query tile of every head first
+  gqa_packed              packed GQA wherever the group allows it (a KV head's query heads in one tile)
+  gqa_unpacked            no packed GQA (one query head a tile)
 Extra `key=value` arguments after `--` go to every tessera_bench call.
 """
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 
@@ -31,11 +41,17 @@ VARIANTS = {
     "persistent_mirror": ["path=hopper", "scheduler=persistent", "order=mirror", "run_length=2"],
     "single_inner": ["path=hopper", "scheduler=single", "order=inner", "heavy_first=false"],
     "single_outer_heavy": ["path=hopper", "scheduler=single", "order=outer", "heavy_first=true"],
+    "gqa_packed": ["gqa_pack=on"],
+    "gqa_unpacked": ["gqa_pack=off"],
 }
 
 
 def case_args(case):
-    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in case.items()]
+    def value(v):
+        if isinstance(v, bool):
+            return str(v).lower()
+        return ",".join(str(x) for x in v) if isinstance(v, list) else v
+    return [f"{k}={value(v)}" for k, v in case.items()]
 
 
 def main():
@@ -46,33 +62,44 @@ def main():
     ap.add_argument("--variants", default="auto,portable,persistent_inner,persistent_outer_heavy,single_inner,"
                                           "single_outer_heavy")
     ap.add_argument("--filter", default="", help="only cases whose name contains this")
+    ap.add_argument("--builds", default="", help="name=tessera_bench path, comma-separated (default: --bench)")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("extra", nargs="*")
     args = ap.parse_args()
     with open(args.cases) as f:
         spec = json.load(f)
-    variants = [v for v in args.variants.split(",") if v]
-    rows = []
+    builds = dict(b.split("=", 1) for b in args.builds.split(",") if b) if args.builds else {"": args.bench}
+    columns = [(b, v) for b in builds for v in args.variants.split(",") if v]
+    name = {c: f"{c[0]}:{c[1]}" if c[0] else c[1] for c in columns}
+    variants = [name[c] for c in columns]
+    cases = [c for c in spec["cases"] if args.filter in c["name"]]
+    readings = {(case["name"], name[c]): [] for case in cases for c in columns}
     with open(args.out, "w") as out:
-        for case in spec["cases"]:
-            if args.filter not in case["name"]:
-                continue
-            row = {"case": case["name"]}
-            for v in variants:
-                cmd = [args.bench, "prefill"] + case_args(case) + VARIANTS[v] + args.extra
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                rec = None
-                for line in reversed(proc.stdout.strip().splitlines()):
-                    if line.startswith("{"):
-                        rec = json.loads(line)
-                        break
-                if proc.returncode != 0 or rec is None:
-                    row[v] = None
-                    out.write(json.dumps({"case": case["name"], "variant": v, "error": proc.stderr[-500:]}) + "\n")
-                else:
-                    row[v] = rec["tessera"]
-                    out.write(json.dumps(dict(rec, variant=v)) + "\n")
-                out.flush()
-            rows.append(row)
+        for rnd in range(args.rounds):
+            for case in cases:
+                for build, v in columns:
+                    cmd = [builds[build], spec.get("suite", "prefill")] + case_args(case) + VARIANTS[v] + args.extra
+                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    rec = None
+                    for line in reversed(proc.stdout.strip().splitlines()):
+                        if line.startswith("{"):
+                            rec = json.loads(line)
+                            break
+                    tag = {"variant": v, "round": rnd, **({"build": build} if build else {})}
+                    if proc.returncode != 0 or rec is None:
+                        readings[(case["name"], name[(build, v)])].append(None)
+                        out.write(json.dumps({"case": case["name"], **tag, "error": proc.stderr[-500:]}) + "\n")
+                    else:
+                        readings[(case["name"], name[(build, v)])].append(rec["tessera"])
+                        out.write(json.dumps(dict(rec, **tag)) + "\n")
+                    out.flush()
+    rows = []
+    for case in cases:
+        row = {"case": case["name"]}
+        for v in variants:
+            got = readings[(case["name"], v)]
+            row[v] = None if None in got else statistics.median(got)
+        rows.append(row)
     base = variants[0]
     print(f"{'case':28s}" + "".join(f"{v[:22]:>24s}" for v in variants))
     for row in rows:

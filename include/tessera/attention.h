@@ -144,6 +144,11 @@ struct PagedPrefillConfig {
   // start) and the merge on every step with max_kv_splits > 1, or no split on under-filled steps
   // with max_kv_splits 1.
   bool batch_invariant = false;
+  // The cache's KV heads (0: not given). Given, with num_qo_heads / num_kv_heads a power of two
+  // from 2 to 64, the Hopper family's fixed grid packs a KV head's query heads into one tile
+  // (token-major rows: a decode-like request fills a tile with its group instead of one row), so
+  // the step lists and schedules group-times fewer tiles; run() requires the cache to have them.
+  int num_kv_heads = 0;
 };
 
 struct PagedPrefillPlanInfo {
@@ -155,6 +160,7 @@ struct PagedPrefillPlanInfo {
   AttentionPath path = AttentionPath::kAuto;
   double estimated_us = 0.0;  // the Hopper cost model's step time for kv_splits (0: no estimate made)
   bool fixed_grid = false;    // run() takes the fixed grid over plan()'s static schedule
+  int gqa_pack = 0;           // fixed grid: log2 of the query heads a tile packs per token (0: none)
 };
 
 class BatchPrefillPaged {

@@ -70,14 +70,15 @@ void bind_prefill_paged(nb::module_& m) {
       .def("__init__",
            [](PagedPrefillConfig* self, int num_qo_heads, int head_dim, int page_size, int max_q_rows,
               int max_kv_splits, AttentionPath path, bool causal, int window_left, bool cuda_graph,
-              int max_batch_size, bool batch_invariant) {
-             new (self) PagedPrefillConfig{num_qo_heads, head_dim,    page_size,  max_q_rows,     max_kv_splits, path,
-                                           causal,       window_left, cuda_graph, max_batch_size, batch_invariant};
+              int max_batch_size, bool batch_invariant, int num_kv_heads) {
+             new (self) PagedPrefillConfig{num_qo_heads, head_dim,    page_size,  max_q_rows,     max_kv_splits,   path,
+                                           causal,       window_left, cuda_graph, max_batch_size, batch_invariant, num_kv_heads};
            },
            nb::kw_only(), "num_qo_heads"_a = d.num_qo_heads, "head_dim"_a = d.head_dim, "page_size"_a = d.page_size,
            "max_q_rows"_a = d.max_q_rows, "max_kv_splits"_a = d.max_kv_splits, "path"_a = d.path,
            "causal"_a = d.causal, "window_left"_a = d.window_left, "cuda_graph"_a = d.cuda_graph,
-           "max_batch_size"_a = d.max_batch_size, "batch_invariant"_a = d.batch_invariant)
+           "max_batch_size"_a = d.max_batch_size, "batch_invariant"_a = d.batch_invariant,
+           "num_kv_heads"_a = d.num_kv_heads)
       .def_rw("num_qo_heads", &PagedPrefillConfig::num_qo_heads)
       .def_rw("head_dim", &PagedPrefillConfig::head_dim)
       .def_rw("page_size", &PagedPrefillConfig::page_size)
@@ -90,6 +91,9 @@ void bind_prefill_paged(nb::module_& m) {
               "run() may be captured into a CUDA graph (fixed grids reading the step plan() copied)")
       .def_rw("max_batch_size", &PagedPrefillConfig::max_batch_size, "requests per step, at most (required with cuda_graph; without it, lets plan() put steps whose "
               "requests differ on the fixed grid)")
+      .def_rw("num_kv_heads", &PagedPrefillConfig::num_kv_heads,
+              "the cache's KV heads (0: not given); given, the Hopper fixed grid packs each KV head's query heads "
+              "into one tile (fewer tiles for decode-like requests)")
       .def_rw("batch_invariant", &PagedPrefillConfig::batch_invariant,
               "every step splits into exactly max_kv_splits runs and the portable family keeps one grid: a "
               "request's output bits do not depend on the rest of the batch");
@@ -98,7 +102,9 @@ void bind_prefill_paged(nb::module_& m) {
       .def_ro("query_tiles", &PagedPrefillPlanInfo::query_tiles)
       .def_ro("path", &PagedPrefillPlanInfo::path)
       .def_ro("estimated_us", &PagedPrefillPlanInfo::estimated_us)
-      .def_ro("fixed_grid", &PagedPrefillPlanInfo::fixed_grid, "run() takes the fixed grid over plan()'s schedule");
+      .def_ro("fixed_grid", &PagedPrefillPlanInfo::fixed_grid, "run() takes the fixed grid over plan()'s schedule")
+      .def_ro("gqa_pack", &PagedPrefillPlanInfo::gqa_pack,
+              "fixed grid: log2 of the query heads a tile packs per token (0: none)");
   m.def("paged_prefill_workspace_bytes", &BatchPrefillPaged::workspace_bytes, "config"_a,
         "Bytes of device workspace a BatchPrefillPaged of this config needs.");
   nb::class_<PagedPrefiller>(m, "PagedPrefiller", "tessera::BatchPrefillPaged over a workspace tensor.")

@@ -134,8 +134,8 @@ class BatchPrefillPaged:
     """Paged prefill / extend with plan / run and a KV split for under-filled steps
     (tessera::BatchPrefillPaged): a short chunk of new tokens over a long history, few requests.
 
-        prefill = tessera.BatchPrefillPaged(tessera.PagedPrefillConfig(num_qo_heads=32, head_dim=128,
-                                            page_size=16, max_q_rows=4096))
+        prefill = tessera.BatchPrefillPaged(tessera.PagedPrefillConfig(num_qo_heads=32, num_kv_heads=8,
+                                            head_dim=128, page_size=16, max_q_rows=4096))
         prefill.plan(host_qo_indptr, kv_indptr, kv_indices, kv_last_page_len)   # once per step
         o = prefill.run(q, qo_indptr, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len)  # per layer
 

@@ -254,8 +254,8 @@ def test_batch_prefill_paged_cuda_graph_replays_later_steps():
              decode_problem([30, 20], [30, 20], hq=8, hkv=2, seed=63)]
     max_rows, ids_cap = 256, 1024
     num_pages = max(s["num_pages"] for s in steps)
-    cfg = tessera.PagedPrefillConfig(num_qo_heads=8, head_dim=128, page_size=16, max_q_rows=max_rows, causal=True,
-                                     cuda_graph=True, max_batch_size=4)
+    cfg = tessera.PagedPrefillConfig(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, max_q_rows=max_rows,
+                                     causal=True, cuda_graph=True, max_batch_size=4)
     prefill = tessera.BatchPrefillPaged(cfg)
     q_buf = torch.zeros((max_rows, 8, 128), dtype=torch.bfloat16, device="cuda")
     out = torch.zeros_like(q_buf)

@@ -289,7 +289,10 @@ void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType d
                     cudaStream_t stream) {
   if (path == AttentionPath::kHopper) {
     const int num_sms = dispatch::sm_count();
-    kernels::sm90::launch_prefill_sm90(dtype, head_dim, p, dispatch::choose_prefill_sm90_schedule(p, head_dim, num_sms),
+    kernels::PrefillParams hp = p;
+    // A fixed-grid launch packs as its plan did (BatchPrefillPaged); an eager one as the dispatcher says.
+    if (hp.step == nullptr) hp.gqa_pack = dispatch::choose_prefill_gqa_pack(hp, head_dim);
+    kernels::sm90::launch_prefill_sm90(dtype, head_dim, hp, dispatch::choose_prefill_sm90_schedule(hp, head_dim, num_sms),
                                        num_sms, stream);
   } else {
     kernels::launch_prefill_sm80(dtype, head_dim, p, stream);

@@ -77,6 +77,9 @@ void validate_config(const detail::ArgCheck& check, const PagedPrefillConfig& c)
                   c.path == AttentionPath::kAuto || c.path == AttentionPath::kPortable || c.path == AttentionPath::kHopper,
                   "path", "must be kAuto, kPortable or kHopper");
   TESSERA_REQUIRE(check, c.window_left >= -1, "window_left", "must be >= -1 (-1: no window)");
+  TESSERA_REQUIRE(check, c.num_kv_heads >= 0 && (c.num_kv_heads == 0 || c.num_qo_heads % c.num_kv_heads == 0),
+                  "num_kv_heads", "must be 0 (not given) or divide num_qo_heads (" + std::to_string(c.num_qo_heads) +
+                                      "), got " + std::to_string(c.num_kv_heads));
   if (c.cuda_graph) {
     TESSERA_REQUIRE(check, c.max_batch_size >= 1 && c.max_batch_size <= 65535, "max_batch_size",
                     "must be in 1..65535 with cuda_graph (it sizes the step's index arrays in the workspace), got " +
@@ -91,8 +94,8 @@ void validate_config(const detail::ArgCheck& check, const PagedPrefillConfig& c)
 // arrays there, not the arguments'), partials laid out for max_kv_splits whatever the step's
 // count, and a merge that reads the step's split count (nothing to merge at 1).
 void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& config, float* workspace,
-                       int planned_splits, const PagedPrefillArgs& a, kernels::PrefillParams& p, AttentionPath path,
-                       cudaStream_t stream) {
+                       int planned_splits, int gqa_pack, const PagedPrefillArgs& a, kernels::PrefillParams& p,
+                       AttentionPath path, cudaStream_t stream) {
   const bool can_split = config.max_kv_splits > 1;
   TESSERA_REQUIRE(check, !can_split || a.q.size(0) <= config.max_q_rows, "q",
                   "has " + std::to_string(a.q.size(0)) + " rows, more than the config's max_q_rows " +
@@ -113,6 +116,7 @@ void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& 
   // longest request only).
   p.window_left = a.window_left >= format::kMaxRowTokens ? -1 : a.window_left;
   p.kv_splits = planned_splits;  // the host's view only: the kernels read the step's
+  p.gqa_pack = gqa_pack;          // as plan() scheduled the tiles
   const int64_t rows = a.q.size(0), heads = a.q.size(1), d = a.q.size(2);
   if (can_split) {
     p.partial_o = workspace;
@@ -161,6 +165,7 @@ struct BatchPrefillPaged::FixedGrid {
   AttentionPath family = AttentionPath::kAuto;  // the family the last schedule was made for
   plan::PrefillScheduleScratch scratch;         // the scheduler's
   plan::PrefillScheduleResult schedule;
+  int gqa_pack = 0;  // of the schedule's tiles (PrefillParams::gqa_pack)
   bool captured = false;
   int64_t q_rows = INT64_MAX, kv_indices_len = INT64_MAX, cache_pages = INT64_MAX;
   // The fixed grids and the schedule are for the GPU the object was made on.
@@ -319,6 +324,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   hopper_tiles *= config_.num_qo_heads;
   info_.query_tiles = tiles;
   info_.estimated_us = 0.0;
+  info_.gqa_pack = 0;
   planned_rows_ = host_qo_indptr[batch];
   // Either family's grid counts every (request, head, query tile of the longest request) times the
   // splits in 31 bits: a split count (forced, or from a batch of many empty requests) that would
@@ -412,10 +418,19 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   fixed_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
   plan::PrefillScheduleProblem sp;
   static_cast<plan::PrefillTiling&>(sp) = tiling;
+  // Packed GQA on the Hopper family (PagedPrefillConfig::num_kv_heads): a tile holds block_m >> pack
+  // tokens of the group's 2^pack heads, and the list counts KV heads. Decided by the config alone,
+  // so every step of a captured graph packs as its capture did.
+  int pack = 0;
+  if (hopper && config_.num_kv_heads > 0 && dispatch::forced_prefill_gqa_pack() != dispatch::GqaPack::kNever &&
+      (int64_t(config_.max_q_rows) << kernels::sm90::kMaxGqaPack) < (int64_t(1) << 31)) {
+    pack = dispatch::prefill_gqa_pack_limit(config_.num_qo_heads, config_.num_kv_heads);
+  }
   if (hopper) {
     const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
-    sp.block_m = tile.block_m;
+    sp.block_m = tile.block_m >> pack;
     sp.block_n = tile.block_n;
+    sp.num_qo_heads = config_.num_qo_heads >> pack;
   } else {
     sp.block_m = kernels::prefill_sm80_block_m(config_.head_dim);
     sp.block_n = 64;  // (costs only)
@@ -426,7 +441,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   sp.kv_splits = info_.kv_splits;
   // The kernels decode list positions ((request x heads + head) x m_tiles + m_tile) x splits + split
   // in int32.
-  const int64_t positions = batch * config_.num_qo_heads * ((max_qo + sp.block_m - 1) / sp.block_m) * sp.kv_splits;
+  const int64_t positions = batch * sp.num_qo_heads * ((max_qo + sp.block_m - 1) / sp.block_m) * sp.kv_splits;
   TESSERA_REQUIRE(check, positions < (int64_t(1) << 31), "qo_indptr",
                   "the step's " + std::to_string(batch) + " requests x " + std::to_string(config_.num_qo_heads) +
                       " heads x query tiles of the longest request x splits make " + std::to_string(positions) +
@@ -438,6 +453,8 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     throw Error("tessera::BatchPrefillPaged::plan: the step's schedule outgrew its workspace (internal error)");
   }
   fixed_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, fixed_->scratch);
+  fixed_->gqa_pack = pack;
+  info_.gqa_pack = pack;
   kernels::PrefillStep step{};
   step.batch_size = static_cast<int32_t>(batch);
   step.max_qo_len = static_cast<int32_t>(max_qo);
@@ -470,6 +487,9 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   kernels::PrefillParams p = detail::paged_prefill_params(check, planned, path);
   TESSERA_REQUIRE(check, a.q.size(1) == config_.num_qo_heads && a.q.size(2) == config_.head_dim, "q",
                   "num_qo_heads and head_dim must be the config's");
+  TESSERA_REQUIRE(check, config_.num_kv_heads == 0 || p.num_kv_heads == config_.num_kv_heads, "k_pages",
+                  "has " + std::to_string(p.num_kv_heads) + " KV heads but the config's num_kv_heads is " +
+                      std::to_string(config_.num_kv_heads));
   TESSERA_REQUIRE(check, p.batch_size == planned_batch_ && a.host_qo_indptr[p.batch_size] == planned_rows_,
                   "qo_indptr", "differs from the planned step's (plan() once per step, then run() per layer)");
   TESSERA_REQUIRE(check, a.cache.page_size() == config_.page_size, "k_pages",
@@ -502,7 +522,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
                         " family: with cuda_graph, set the config's path to the family run() takes");
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    launch_fixed_grid(check, config_, workspace_, info_.kv_splits, a, p, path, stream);
+    launch_fixed_grid(check, config_, workspace_, info_.kv_splits, fixed_->gqa_pack, a, p, path, stream);
     if (capture != cudaStreamCaptureStatusNone) {  // what later plans must fit
       fixed_->captured = true;
       fixed_->q_rows = std::min(fixed_->q_rows, a.q.size(0));

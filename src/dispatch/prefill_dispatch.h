@@ -49,6 +49,16 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim,
                                                                 int num_sms);
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
+// Packed GQA for the Hopper family (PrefillParams::gqa_pack: log2 of the query heads a tile packs
+// per token, 0 for none): possible where the group (num_qo_heads / num_kv_heads) is a power of
+// two from 2 to 64, and taken wherever possible (measured never slower; prefill_dispatch.cpp).
+// Tests and benchmarks force it on (GqaPack::kAlways, the same as kAuto today) or off.
+enum class GqaPack { kAuto, kNever, kAlways };
+int prefill_gqa_pack_limit(int num_qo_heads, int num_kv_heads);  // the pack the group allows (0: none)
+int choose_prefill_gqa_pack(const kernels::PrefillParams& params, int head_dim);
+void force_prefill_gqa_pack(GqaPack mode);
+GqaPack forced_prefill_gqa_pack();
+
 // BatchPrefillPaged::plan's split count, forced by a test or benchmark (0: the planner's choice;
 // capped by the config's max_kv_splits).
 void force_prefill_kv_splits(int splits);

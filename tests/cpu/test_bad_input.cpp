@@ -788,6 +788,15 @@ TEST(BadInputPrefillPaged, CudaGraphConfig) {
   c.cuda_graph = false;
   c.max_batch_size = -1;
   expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "must be in 0..65535"});
+  c.max_batch_size = 0;
+  c.num_kv_heads = 3;  // does not divide 8 query heads
+  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'num_kv_heads'", "divide num_qo_heads (8)"});
+  c.num_kv_heads = -1;
+  expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'num_kv_heads'"});
+  c.num_kv_heads = 0;
+  const std::size_t unpacked = BatchPrefillPaged::workspace_bytes(c);
+  c.num_kv_heads = 2;
+  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), unpacked);  // packing needs no more workspace
 }
 
 TEST(BadInputMoe, RouteAndPermute) {

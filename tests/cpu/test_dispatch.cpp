@@ -167,6 +167,38 @@ TEST(PrefillDispatch, HopperSchedulePolicy) {
   EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kStaticPersistent);
 }
 
+// Packed GQA: groups that are powers of two from 2 to 64, taken wherever possible (equal long
+// requests included: measured even or faster); forced off by tests and benchmarks.
+TEST(PrefillDispatch, GqaPackPolicy) {
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(32, 8), 2);
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(64, 1), 6);
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(128, 1), 0);  // a 64-row O box would split a token
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(24, 2), 0);   // group 12
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(8, 8), 0);
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(8, 3), 0);
+  EXPECT_EQ(dispatch::prefill_gqa_pack_limit(8, 0), 0);
+  kernels::PrefillParams p;
+  p.batch_size = 4;
+  p.num_qo_heads = 32;
+  p.num_kv_heads = 8;
+  p.max_qo_len = 1;  // decode-like: 4 x 32 tiles of one row unpacked, 4 x 8 packed
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  p.max_qo_len = 4096;  // equal long requests: as many tiles either way, packed too
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  p.num_kv_heads = 32;
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 0);
+  p.num_kv_heads = 8;
+  dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kAlways);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  p.max_qo_len = 1;
+  dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kNever);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 0);
+  dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kAuto);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  p.max_qo_len = (1 << 30);  // rows x group would overflow 31 bits
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 0);
+}
+
 }  // namespace
 }  // namespace tessera
 

@@ -33,6 +33,9 @@ struct PrefillCase {
   bool beyond_fp32_resolution = false;
   // Hopper family: each of these schedules in turn (empty: the dispatcher's).
   std::vector<kernels::sm90::PrefillSm90Schedule> schedules;
+  // Hopper family: each packed-GQA mode in turn (empty: the dispatcher's), every run bitwise equal
+  // to the first (a row's arithmetic does not depend on the rows that share its tile).
+  std::vector<dispatch::GqaPack> gqa_packs;
 };
 
 std::string describe(const PrefillCase& c) {
@@ -159,15 +162,23 @@ void run_case(const PrefillCase& c, uint32_t seed) {
   struct Run {
     AttentionPath path;
     const kernels::sm90::PrefillSm90Schedule* schedule;
+    dispatch::GqaPack pack;
   };
   std::vector<Run> runs;
   for (AttentionPath path : paths_to_test(c.path, c.dtype, c.head_dim)) {
-    if (path == AttentionPath::kHopper && !c.schedules.empty()) {
-      for (const auto& s : c.schedules) runs.push_back({path, &s});
-    } else {
-      runs.push_back({path, nullptr});
+    const bool hopper = path == AttentionPath::kHopper;
+    std::vector<const kernels::sm90::PrefillSm90Schedule*> schedules{nullptr};
+    if (hopper && !c.schedules.empty()) {
+      schedules.clear();
+      for (const auto& s : c.schedules) schedules.push_back(&s);
     }
+    const std::vector<dispatch::GqaPack> packs =
+        hopper && !c.gqa_packs.empty() ? c.gqa_packs : std::vector<dispatch::GqaPack>{dispatch::GqaPack::kAuto};
+    for (const auto* s : schedules)
+      for (dispatch::GqaPack pack : packs) runs.push_back({path, s, pack});
   }
+  std::vector<uint16_t> first_packed_o;  // of the first run with gqa_packs
+  std::vector<float> first_packed_lse;
   for (const Run& run : runs) {
     const AttentionPath path = run.path;
     std::string trace = std::string("path ") + attention_path_name(path);
@@ -175,8 +186,10 @@ void run_case(const PrefillCase& c, uint32_t seed) {
       trace += " scheduler " + std::to_string(int(run.schedule->scheduler)) + " order " +
                std::to_string(int(run.schedule->order)) + " heavy_first " + std::to_string(run.schedule->heavy_first);
     }
+    if (run.pack != dispatch::GqaPack::kAuto) trace += run.pack == dispatch::GqaPack::kAlways ? " gqa packed" : " gqa unpacked";
     SCOPED_TRACE(trace);
     dispatch::force_prefill_sm90_schedule(run.schedule);
+    dispatch::force_prefill_gqa_pack(run.pack);
     a.path = path;
     o.poison();
     lse.poison();
@@ -199,6 +212,16 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     EXPECT_TRUE(o.download<uint16_t>(size_t(total_q * o_stride)) == o_bits) << "second run differs (o)";
     const auto lse_again = lse.download<float>(size_t(total_q * c.num_qo_heads));
     EXPECT_EQ(std::memcmp(lse_again.data(), lse_got.data(), lse_got.size() * 4), 0) << "second run differs (lse)";
+    if (run.pack != dispatch::GqaPack::kAuto) {
+      if (first_packed_o.empty()) {
+        first_packed_o = o_bits;
+        first_packed_lse = lse_got;
+      } else {
+        EXPECT_TRUE(o_bits == first_packed_o) << "o differs from the other packing's";
+        EXPECT_EQ(std::memcmp(lse_got.data(), first_packed_lse.data(), lse_got.size() * 4), 0)
+            << "lse differs from the other packing's";
+      }
+    }
 
     if (c.beyond_fp32_resolution) {
       expect_bounded(o_got, c.kv_range * (1.0 + 1.0 / 128), "o");
@@ -211,6 +234,7 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     }
   }
   dispatch::force_prefill_sm90_schedule(nullptr);
+  dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kAuto);
 }
 
 // Numerical edge cases on every family: a NaN in one request's K reaches exactly the rows that see
@@ -515,6 +539,52 @@ TEST(GpuPrefillHopper, LongRequestsMagnitudesAndStrides) {
     if (!dispatch::prefill_dtype_compiled(dt)) continue;
     c.dtype = dt;
     run_case(c, 602);
+  }
+}
+
+// Packed GQA (a tile holds a KV head's query heads, token-major) against the unpacked tiles and
+// the reference: groups 2-64, decode-like and awkward lengths, empty requests, qo_len > kv_len,
+// causal, windows, soft-cap, strided rows and heads, every head dim, both dtypes, every schedule
+// the dispatcher may pick.
+TEST(GpuPrefillHopper, PackedGqaEqualsUnpacked) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 700;
+  const std::vector<dispatch::GqaPack> packs{dispatch::GqaPack::kNever, dispatch::GqaPack::kAlways};
+  for (int hd : dispatch::compiled_prefill_head_dims()) {
+    const std::string why = hopper_unavailable(DType::kBF16, hd);
+    if (!why.empty()) GTEST_SKIP() << why;
+    for (int group : {2, 16}) {
+      PrefillCase c;
+      c.head_dim = hd;
+      c.path = AttentionPath::kHopper;
+      c.gqa_packs = packs;
+      c.num_kv_heads = 2;
+      c.num_qo_heads = 2 * group;
+      c.qo_len = {1, 7, 97, 0, 300, 3, 257};
+      c.kv_len = {1, 300, 54, 5, 700, 3, 257};
+      c.causal = true;
+      run_case(c, seed++);
+      c.causal = false;
+      c.window_left = 100;
+      c.soft_cap = 30.f;
+      c.pad = 24;
+      c.head_pad = 8;
+      run_case(c, seed++);
+    }
+  }
+  // 64 query heads on one KV head (the largest group packed), decode-like rows, fp16.
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    if (!dispatch::prefill_dtype_compiled(dt) || !hopper_unavailable(dt, 128).empty()) continue;
+    PrefillCase c;
+    c.dtype = dt;
+    c.path = AttentionPath::kHopper;
+    c.gqa_packs = packs;
+    c.num_qo_heads = 64;
+    c.num_kv_heads = 1;
+    c.qo_len = {1, 1, 5, 130};
+    c.kv_len = {1500, 17, 5, 700};
+    c.causal = true;
+    run_case(c, seed++);
   }
 }
 

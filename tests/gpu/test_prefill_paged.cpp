@@ -720,22 +720,26 @@ TEST(GpuPrefillPagedFixedGrid, EagerStepsMatchTheOneTileGrid) {
       for (AttentionPath path : {AttentionPath::kHopper, AttentionPath::kPortable}) {
         if (path == AttentionPath::kHopper && !hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty()) continue;
         SCOPED_TRACE(describe(c) + " " + attention_path_name(path));
-        Outputs results[2];
-        for (int bounded = 0; bounded < 2; ++bounded) {
+        // bounded 2: the fixed grid with num_kv_heads given, which packs the group's 4 query
+        // heads into each tile (Hopper only).
+        Outputs results[3];
+        for (int bounded = 0; bounded < (path == AttentionPath::kHopper ? 3 : 2); ++bounded) {
           PagedPrefillConfig cfg = prefill_config(c, p.q.rows);
           cfg.path = path;
           cfg.causal = true;
           cfg.max_batch_size = bounded ? static_cast<int>(c.qo_len.size()) : 0;
+          if (bounded == 2) cfg.num_kv_heads = c.kv.num_kv_heads;
           DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
           BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
           const PagedPrefillArgs a = p.args();
           prefill.plan(a.host_qo_indptr, a.table);
           EXPECT_EQ(prefill.last_plan().fixed_grid, bounded && !step.uniform);
+          EXPECT_EQ(prefill.last_plan().gqa_pack, bounded == 2 && !step.uniform ? 2 : 0);
           p.poison();
           prefill.run(a, nullptr);
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
           results[bounded] = fetch(p.o, p.lse, p.out_shape());
-          check_against(results[bounded], want, bounded ? "max_batch_size config" : "unbounded config");
+          check_against(results[bounded], want, bounded == 2 ? "packed GQA config" : bounded ? "max_batch_size config" : "unbounded config");
         }
         // The Hopper family's fixed-grid scheduler runs the same consumer code as its one-tile
         // grid: bitwise equal. The portable step kernel is the one-tile body in a loop, compiled
@@ -744,6 +748,9 @@ TEST(GpuPrefillPagedFixedGrid, EagerStepsMatchTheOneTileGrid) {
         if (path == AttentionPath::kHopper) {
           EXPECT_TRUE(bitwise_equal(results[0], results[1]))
               << "the fixed grid and the one-tile grid differ: " << first_difference(results[0], results[1]);
+          // Packed or not, a row's arithmetic is the same.
+          EXPECT_TRUE(bitwise_equal(results[0], results[2]))
+              << "the packed fixed grid and the one-tile grid differ: " << first_difference(results[0], results[2]);
         }
       }
     }
@@ -960,6 +967,8 @@ TEST(GpuPrefillPagedGraph, CapturedRunReplaysAcrossSteps) {
       cfg.causal = true;
       cfg.cuda_graph = true;
       cfg.max_batch_size = max_batch;
+      // The Hopper family's graph packs each KV head's 4 query heads into a tile.
+      if (path == AttentionPath::kHopper) cfg.num_kv_heads = base.kv.num_kv_heads;
       DeviceBuffer ws(BatchPrefillPaged::workspace_bytes(cfg));
       BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
       cudaStream_t stream = nullptr;
@@ -995,6 +1004,7 @@ TEST(GpuPrefillPagedGraph, CapturedRunReplaysAcrossSteps) {
         load(p, stream);
         prefill.plan(p.qo_indptr.data(), a.table, stream, max_pages);
         (prefill.last_plan().kv_splits > 1 ? saw_split : saw_unsplit) = true;
+        EXPECT_EQ(prefill.last_plan().gqa_pack, path == AttentionPath::kHopper ? 2 : 0);
         ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
         ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
         const OutputShape shape{p.q.rows, p.q.heads, p.q.dim, row_stride, p.dtype()};

@@ -56,6 +56,11 @@ struct PrefillParams {
   int batch_size = 0;
   int num_qo_heads = 0;
   int num_kv_heads = 0;
+  // Packed GQA (the Hopper family only; 0 elsewhere): a query tile holds the 2^gqa_pack query
+  // heads of one KV head, num_qo_heads == num_kv_heads << gqa_pack, its rows (token, head in the
+  // group) token-major, so kBlockM / 2^gqa_pack tokens a tile. A request shorter than a tile then
+  // fills it with its group's heads instead of leaving rows empty, and the list counts KV heads.
+  int gqa_pack = 0;
   int max_qo_len = 0;  // from the host copy of qo_indptr: sizes the grid
   // From the host copies: every request has the same qo_len and the same kv_len (the Hopper
   // family's schedule pairs tiles by cost only then; prefill_dispatch.cpp).

@@ -16,16 +16,18 @@
 
 namespace tessera::kernels {
 
-// The tile's 16 rows are rows [row0, row0 + 16) of the request and its columns keys
-// [n0, n0 + kCols); lane = the lane in the warp.
+// The tile's 16 rows are tile rows [row0, row0 + 16), tile row r being the request's query row
+// r >> row_shift (packed GQA: 2^row_shift heads a token), and its columns keys [n0, n0 + kCols);
+// lane = the lane in the warp.
 template <int kCols>
-__device__ __forceinline__ void mask_outside_band(AccTile<kCols>& s, const MaskBand& band, int row0, int n0, int lane) {
+__device__ __forceinline__ void mask_outside_band(AccTile<kCols>& s, const MaskBand& band, int row0, int n0, int lane,
+                                                  int row_shift = 0) {
   const int g = lane / 4, t = lane % 4;
   // Row r's visible keys, relative to this lane's first column of block 0 (n0 + 2t).
   int begin[2], end[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + AccTile<kCols>::row(2 * r, g);
+    const int row = (row0 + AccTile<kCols>::row(2 * r, g)) >> row_shift;
     begin[r] = band.key_begin(row) - n0 - 2 * t;
     end[r] = band.key_end(row) - n0 - 2 * t;
   }

@@ -47,6 +47,12 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_O_VIA_SMEM
 #define TESSERA_SM90_O_VIA_SMEM 1
 #endif
+// TESSERA_SM90_LAZY_RESCALE sets the conditional O rescale of every head dim (default: hd256 only).
+#ifndef TESSERA_SM90_LAZY_RESCALE
+#define TESSERA_SM90_LAZY_RESCALE_DEFAULT(hd) ((hd) == 256)
+#else
+#define TESSERA_SM90_LAZY_RESCALE_DEFAULT(hd) TESSERA_SM90_LAZY_RESCALE
+#endif
 
 template <int kHeadDimT>
 struct PrefillSm90Config {
@@ -74,6 +80,13 @@ struct PrefillSm90Config {
   // cannot describe, from registers). hd256 has no room for it (Q 64 KB + 4 x 40 KB of K / V at
   // the 227 KB limit): registers.
   static constexpr bool kStoreOViaSmem = kHeadDim != 256 && TESSERA_SM90_O_VIA_SMEM != 0;
+  // O is rescaled only when a row maximum of the warp rose by more than 2^8 (OnlineSoftmax::
+  // update_lazy, FA4's conditional rescale), so most KV tiles of a long row skip O's FMULs.
+  // Same run, two interleaved rounds (H100, notes/prefill_hopper.md v9): hd256 +3-4% (8K 717 vs
+  // 687, 16K causal 675 vs 653 TFLOP/s: O is 128 FMULs a thread there and no ping-pong hides the
+  // softmax); hd128 -0.5 to -1.5% (the ping-pong already hides it; the vote and branch cost);
+  // hd64 +1.4%, within the rounds' spread. On for hd256 only.
+  static constexpr bool kLazyRescale = TESSERA_SM90_LAZY_RESCALE_DEFAULT(kHeadDim) != 0;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;

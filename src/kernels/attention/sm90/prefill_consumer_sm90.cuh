@@ -114,11 +114,12 @@ struct PrefillConsumer {
     if constexpr (!Logits::kIdentity) for_each(s, [&](float& x, int, int, int) { x = logits(x); });
     const int warp_row0 = w.m0 + 64 * consumer + 16 * warp;
     const int first_row = w.m0 + 64 * consumer;
-    const int last_row = min(first_row + 63, w.qo_len - 1);
-    if (w.band.tile_crosses_edge(n0, kBlockN, first_row, last_row)) mask_outside_band(s, w.band, warp_row0, n0, lane);
+    const int last_row = min(first_row + 63, w.rows() - 1);
+    if (w.band.tile_crosses_edge(n0, kBlockN, w.token(first_row), w.token(last_row)))
+      mask_outside_band(s, w.band, warp_row0, n0, lane, w.row_shift);
   }
 
-  // O / l and LSE for this warp's rows of the request (rows past qo_len are not written).
+  // O / l and LSE for this warp's rows of the request (rows past the request's are not written).
   __device__ void epilogue(OTile& o, const OnlineSoftmax& softmax, const WorkTile& w) const {
     float inv_sum[2], lse[2];
     softmax.finish(inv_sum, lse);
@@ -130,21 +131,22 @@ struct PrefillConsumer {
       return;
     }
     bool via_smem = false;
-    if constexpr (Config::kStoreOViaSmem) via_smem = p.o_via_tma && first_row + 64 <= w.qo_len;
+    if constexpr (Config::kStoreOViaSmem) via_smem = p.o_via_tma && first_row + 64 <= w.rows();
     if (via_smem) store_o_via_smem(o, w, first_row);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first_row + 16 * warp + g + 8 * r;
-      if (row >= w.qo_len) continue;
-      const int64_t q_row = int64_t(w.q_start) + row;
+      if (row >= w.rows()) continue;
+      const int64_t q_row = int64_t(w.q_start) + w.token(row);
+      const int head = w.head_of(row);
       if (!via_smem) {
-        T* dst = static_cast<T*>(p.base.o) + q_row * p.base.o_stride_row + int64_t(w.head) * p.base.o_stride_head;
+        T* dst = static_cast<T*>(p.base.o) + q_row * p.base.o_stride_row + int64_t(head) * p.base.o_stride_head;
 #pragma unroll
         for (int j = 0; j < OTile::kBlocks; ++j)
           *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * t) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
       }
       if (p.base.lse != nullptr && t == 0)
-        p.base.lse[q_row * p.base.lse_stride_row + int64_t(w.head) * p.base.lse_stride_head] = lse[r];
+        p.base.lse[q_row * p.base.lse_stride_row + int64_t(head) * p.base.lse_stride_head] = lse[r];
     }
   }
 
@@ -156,8 +158,8 @@ struct PrefillConsumer {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first_row + 16 * warp + g + 8 * r;
-      if (row >= w.qo_len) continue;
-      const int64_t state = (int64_t(w.split) * p.base.q_rows + w.q_start + row) * p.base.num_qo_heads + w.head;
+      if (row >= w.rows()) continue;
+      const int64_t state = (int64_t(w.split) * p.base.q_rows + w.q_start + w.token(row)) * p.base.num_qo_heads + w.head_of(row);
       float* dst = p.base.partial_o + state * kHeadDim;
 #pragma unroll
       for (int j = 0; j < OTile::kBlocks; ++j)
@@ -190,7 +192,7 @@ struct PrefillConsumer {
     named_barrier_sync(kStoreBarrier + consumer, 128);
 #pragma unroll
     for (int b = 0; b < kHeadDim / 64; ++b)
-      tma_store_3d_if(leader, &p.o_map, tile.block(b), 64 * b, w.head, w.q_start + first_row);
+      tma_store_3d_if(leader, &p.o_map, tile.block(b), 64 * b, w.head, w.q_start + w.token(first_row));
     bulk_commit_if(leader);
   }
 
@@ -248,12 +250,14 @@ struct PrefillConsumer {
         if (i == tiles - 1) release(bar.q_empty[q_slot]);
         logits_and_mask(s, w, tile * kBlockN);
         float rescale[2];
-        softmax.update(s, rescale);
+        bool rescale_o = true;
+        if constexpr (Config::kLazyRescale) rescale_o = softmax.update_lazy(s, rescale);
+        else softmax.update(s, rescale);
         wgmma_wait<0>();
         fence_registers(o);
         fence_registers(pf);
         release(bar.v_empty[prev.stage]);
-        mul_row(o, rescale);
+        if (rescale_o) mul_row(o, rescale);
         convert(s, pf);
         prev = ring;
         prev_partial = false;

@@ -73,7 +73,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
       bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
       if (lane == 0) {
         bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
-        smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.m0);
+        smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
       }
     }
     q_ring.advance();

@@ -126,7 +126,16 @@ template <typename T, int kHeadDim>
 void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Schedule& schedule, int num_sms,
                          cudaStream_t stream) {
   using Config = PrefillSm90Config<kHeadDim>;
-  const int m_tiles = (base.max_qo_len + Config::kBlockM - 1) / Config::kBlockM;
+  // Packed GQA: the group's heads share a tile's rows (2^gqa_pack of them a token), so a tile
+  // holds a whole number of tokens and one 64-row O box a whole number too.
+  const int pack = base.gqa_pack;
+  if (pack < 0 || pack > kMaxGqaPack || (pack > 0 && base.num_qo_heads != base.num_kv_heads << pack) ||
+      (int64_t(base.max_qo_len) << pack) >= (int64_t(1) << 31)) {
+    throw Error("tessera: packed GQA of 2^" + std::to_string(pack) + " query heads a tile does not fit " +
+                std::to_string(base.num_qo_heads) + " query / " + std::to_string(base.num_kv_heads) +
+                " KV heads and " + std::to_string(base.max_qo_len) + " query rows (internal error)");
+  }
+  const int m_tiles = int(((int64_t(base.max_qo_len) << pack) + Config::kBlockM - 1) / Config::kBlockM);
   // (A fixed-grid launch runs whatever later step a graph replays, so it launches even when the
   // step it was made with has no tiles.)
   if (base.step == nullptr && (m_tiles == 0 || base.batch_size == 0 || base.num_qo_heads == 0)) return;
@@ -134,7 +143,7 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   params.base = base;
   params.m_tiles = m_tiles;
   // < 2^31: the dispatcher checks the unsplit list, BatchPrefillPaged's plan caps kv_splits to fit.
-  const int64_t tiles = int64_t(base.batch_size) * base.num_qo_heads * m_tiles * std::max(1, base.kv_splits);
+  const int64_t tiles = int64_t(base.batch_size) * (base.num_qo_heads >> pack) * m_tiles * std::max(1, base.kv_splits);
   if (tiles >= (int64_t(1) << 31)) throw Error("tessera: the Hopper prefill's tile list has 2^31 or more entries");
   params.tiles = static_cast<int>(tiles);
   params.order = schedule.order;

@@ -24,6 +24,10 @@ struct PrefillSm90Schedule {
   int run_length = 1;        // persistent: consecutive list positions per CTA turn (2 with kMirroredPairs)
 };
 
+// Packed GQA (PrefillParams::gqa_pack) of at most 2^6 = 64 query heads a KV head: a consumer's
+// 64 rows (one O box) then hold whole tokens.
+constexpr int kMaxGqaPack = 6;
+
 // Whether the family was compiled for (dtype, head_dim) (the instantiation list; sm_90a only).
 bool prefill_sm90_compiled(DType dtype, int head_dim);
 // Shared memory one CTA of the family needs at head_dim (0 if not compiled).

@@ -10,14 +10,14 @@
 namespace tessera::kernels::sm90 {
 
 struct PrefillSm90Params {
-  CUtensorMap q_map;  // [total_q, num_qo_heads, head_dim], box 64 x 1 x kBlockM
+  CUtensorMap q_map;  // [total_q, num_qo_heads, head_dim], box 64 x 1 x kBlockM (packed GQA: 64 x G x kBlockM / G)
   CUtensorMap k_map;  // ragged: [total_kv, num_kv_heads, head_dim], box 64 x 1 x kBlockN;
   CUtensorMap v_map;  // paged: 4-D over the pages, box_rows-row boxes (kv_source_sm90.cuh)
-  CUtensorMap o_map;  // [total_q, num_qo_heads, head_dim], box 64 x 1 x 64 (valid when o_via_tma)
+  CUtensorMap o_map;  // [total_q, num_qo_heads, head_dim], box 64 x 1 x 64 (or 64 x G x 64 / G; when o_via_tma)
   bool o_via_tma = false;  // Config::kStoreOViaSmem and o is a tensor the copy engine can write
   PrefillParams base;
   int m_tiles = 0;       // query tiles of the longest request
-  int tiles = 0;         // list length: batch x heads x m_tiles
+  int tiles = 0;         // list length: batch x heads x m_tiles (heads: KV heads when packed)
   TileOrder order = TileOrder::kQueryTilesInner;
   bool heavy_first = false;
   int run_length = 1;

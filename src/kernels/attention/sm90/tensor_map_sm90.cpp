@@ -11,14 +11,14 @@ namespace {
 
 // [rows, heads, head_dim] with element strides row_stride / head_stride (head_dim contiguous).
 CUtensorMap ragged_map(const char* what, DType dtype, const void* data, int64_t rows, int64_t heads,
-                       int head_dim, int64_t row_stride, int64_t head_stride, int box_rows) {
+                       int head_dim, int64_t row_stride, int64_t head_stride, int box_rows, int box_heads = 1) {
   const int64_t esize = 2;
   const uint64_t dims[3] = {uint64_t(head_dim), uint64_t(heads), uint64_t(std::max<int64_t>(rows, 1))};
   // A dimension of extent 1 may have any stride; the copy engine still wants a multiple of 16 bytes.
   const int64_t head_bytes = heads == 1 ? int64_t(head_dim) * esize : head_stride * esize;
   const int64_t row_bytes = rows <= 1 ? heads * int64_t(head_dim) * esize : row_stride * esize;
   const uint64_t strides[2] = {uint64_t(head_bytes), uint64_t(row_bytes)};
-  const uint32_t box[3] = {64, 1, uint32_t(box_rows)};
+  const uint32_t box[3] = {64, uint32_t(box_heads), uint32_t(box_rows)};
   return encode_tensor_map_16bit(what,
                                  "row stride " + std::to_string(row_stride) + ", head stride " +
                                      std::to_string(head_stride) + " elements",
@@ -74,6 +74,14 @@ bool grouped_paged_map(const char* what, DType dtype, const void* data, const Pr
 
 int gcd(int a, int b) { return b == 0 ? a : gcd(b, a % b); }
 
+// q or o: one box is `tile_rows` rows of a query tile; packed GQA (p.gqa_pack) makes them the
+// 2^gqa_pack heads of a KV head times tile_rows >> gqa_pack tokens, landing token-major.
+CUtensorMap query_rows_map(const char* what, DType dtype, const void* data, const PrefillParams& p, int head_dim,
+                           int64_t row_stride, int64_t head_stride, int tile_rows) {
+  return ragged_map(what, dtype, data, p.q_rows, p.num_qo_heads, head_dim, row_stride, head_stride,
+                    tile_rows >> p.gqa_pack, 1 << p.gqa_pack);
+}
+
 }  // namespace
 
 PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
@@ -83,8 +91,7 @@ PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_
                 std::to_string(p.page_size));
   }
   PagedTensorMaps maps;
-  maps.q = ragged_map("q", dtype, p.q, p.q_rows, p.num_qo_heads, head_dim, p.q_stride_row, p.q_stride_head,
-                      q_box_rows);
+  maps.q = query_rows_map("q", dtype, p.q, p, head_dim, p.q_stride_row, p.q_stride_head, q_box_rows);
   maps.kv_box_rows = gcd(p.page_size, kv_tile_rows);
   // The token dim goes second when it is the closer one in memory (HND pages, or one head).
   maps.k_token_dim_first = p.num_kv_heads > 1 && int64_t(p.k_stride_token) < p.k_stride_head;
@@ -118,8 +125,7 @@ PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_
 RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                     int kv_box_rows) {
   RaggedTensorMaps maps;
-  maps.q = ragged_map("q", dtype, p.q, p.q_rows, p.num_qo_heads, head_dim, p.q_stride_row, p.q_stride_head,
-                      q_box_rows);
+  maps.q = query_rows_map("q", dtype, p.q, p, head_dim, p.q_stride_row, p.q_stride_head, q_box_rows);
   // With no K / V rows nothing is ever loaded; the maps still need a valid address.
   const bool no_kv = p.kv_rows == 0;
   maps.k = ragged_map("k", dtype, no_kv ? p.q : p.k, p.kv_rows, p.num_kv_heads, head_dim, p.k_stride_row, p.k_stride_head,
@@ -130,7 +136,7 @@ RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int hea
 }
 
 CUtensorMap query_tensor_map(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows) {
-  return ragged_map("q", dtype, p.q, p.q_rows, p.num_qo_heads, head_dim, p.q_stride_row, p.q_stride_head, q_box_rows);
+  return query_rows_map("q", dtype, p.q, p, head_dim, p.q_stride_row, p.q_stride_head, q_box_rows);
 }
 
 bool output_tensor_map(DType dtype, const PrefillParams& p, int head_dim, CUtensorMap* map) {
@@ -142,7 +148,7 @@ bool output_tensor_map(DType dtype, const PrefillParams& p, int head_dim, CUtens
       !describable(p.q_rows, p.o_stride_row * esize)) {
     return false;
   }
-  *map = ragged_map("o", dtype, p.o, p.q_rows, p.num_qo_heads, head_dim, p.o_stride_row, p.o_stride_head, 64);
+  *map = query_rows_map("o", dtype, p.o, p, head_dim, p.o_stride_row, p.o_stride_head, 64);
   return true;
 }
 

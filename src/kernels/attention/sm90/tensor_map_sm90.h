@@ -15,7 +15,9 @@ struct RaggedTensorMaps {
 };
 
 // 3-D maps over [rows, heads, head_dim] (innermost first: head_dim, heads, rows), 128-byte
-// swizzled boxes of 64 x 1 x box_rows; q's boxes are q_box_rows, k's and v's kv_box_rows.
+// swizzled boxes of 64 x 1 x box_rows; q's boxes are q_box_rows, k's and v's kv_box_rows. With
+// packed GQA (p.gqa_pack) q's and o's boxes are 64 x 2^gqa_pack x (rows >> gqa_pack): a KV
+// head's query heads, token-major.
 // Throws tessera::Error if the driver rejects a map (strides or addresses it cannot describe).
 RaggedTensorMaps ragged_tensor_maps(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows,
                                     int kv_box_rows);
@@ -46,7 +48,7 @@ PagedTensorMaps paged_tensor_maps(DType dtype, const PrefillParams& p, int head_
 // q alone, as ragged_tensor_maps makes it (paged K / V the producer gathers, page_size % 8 != 0).
 CUtensorMap query_tensor_map(DType dtype, const PrefillParams& p, int head_dim, int q_box_rows);
 
-// o as a 3-D map for TMA stores (as q's: innermost head_dim, heads, rows; boxes of 64 x 1 x 64),
+// o as a 3-D map for TMA stores (as q's: innermost head_dim, heads, rows; boxes of 64 rows),
 // into *map. Returns false, leaving *map alone, when the copy engine cannot write o: a base not
 // 16-byte aligned, or a row / head stride (of a dim with more than one element) that is not a
 // multiple of 16 bytes or not below 2^40 bytes. The kernel then stores O from registers.

@@ -25,19 +25,25 @@
 
 namespace tessera::kernels::sm90 {
 
-// What one tile of the list covers: query rows [m0, m0 + kBlockM) of (request, head), against
+// What one tile of the list covers: tile rows [m0, m0 + kBlockM) of (request, head), against
 // the KV tiles [first_kv_tile, end_kv_tile) that meet the mask band of any of its rows (with a KV
-// split: split's run of them, possibly none).
+// split: split's run of them, possibly none). Tile row r is query token r >> row_shift of the
+// request and query head head + r % 2^row_shift (packed GQA, PrefillParams::gqa_pack; without
+// it row_shift is 0: row r is token r of `head`).
 struct WorkTile {
-  int request, head, kv_head;
+  int request, head, kv_head;  // head: the tile's first query head
   int split;  // which of kv_splits runs (0 without a split)
   int m0;
+  int row_shift;
   int q_start, qo_len;
   int kv_start, kv_len;  // kv_start: the request's first K / V row, or first kv_indices entry (paged)
   MaskBand band;
   int first_kv_tile, end_kv_tile;
 
-  __device__ bool has_rows() const { return m0 < qo_len; }
+  __device__ int rows() const { return qo_len << row_shift; }  // tile rows the request has
+  __device__ int token(int row) const { return row >> row_shift; }
+  __device__ int head_of(int row) const { return head + (row & ((1 << row_shift) - 1)); }
+  __device__ bool has_rows() const { return m0 < rows(); }
   __device__ int kv_tiles() const { return end_kv_tile - first_kv_tile; }
 };
 
@@ -51,26 +57,28 @@ struct ListShapeFromParams {
   __device__ static bool writes_partials(const PrefillSm90Params& p) { return p.base.partial_o != nullptr; }
 };
 
-// position -> (request, head, m_tile). kHeadsInner: every (request, head)'s query tiles
+// position -> (request, head, m_tile), head counting the list's heads (KV heads when packed).
+// kHeadsInner: every (request, head)'s query tiles
 // consecutive (they share the head's K / V in L2); kHeavyFirst: the position's m_tile counts from
 // the last query tile (for causal masks, the tile with the most keys first).
 template <typename Scheduler>
 __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int position, int& request,
                                                 int& head, int& m_tile) {
   const int tiles = Scheduler::m_tiles(p);
+  const int heads = p.base.num_qo_heads >> p.base.gqa_pack;
   if (p.order == TileOrder::kQueryTilesInner || p.order == TileOrder::kMirroredPairs) {
     int rest = position / tiles;
     m_tile = position - rest * tiles;
-    head = rest % p.base.num_qo_heads;
-    request = rest / p.base.num_qo_heads;
+    head = rest % heads;
+    request = rest / heads;
     // The last tile, the first, the second last, the second, ...
     if (p.order == TileOrder::kMirroredPairs) m_tile = m_tile % 2 == 0 ? tiles - 1 - m_tile / 2 : m_tile / 2;
   } else {  // kQueryTilesOuter
-    const int pairs = Scheduler::batch_size(p) * p.base.num_qo_heads;
+    const int pairs = Scheduler::batch_size(p) * heads;
     m_tile = position / pairs;
     const int rest = position - m_tile * pairs;
-    head = rest % p.base.num_qo_heads;
-    request = rest / p.base.num_qo_heads;
+    head = rest % heads;
+    request = rest / heads;
   }
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
@@ -93,16 +101,19 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   int m_tile;
   const int tile = Scheduler::kv_splits(p) > 1 ? position / Scheduler::kv_splits(p) : position;
   w.split = position - tile * Scheduler::kv_splits(p);
-  decode_position<Scheduler>(p, tile, w.request, w.head, m_tile);
+  int list_head;
+  decode_position<Scheduler>(p, tile, w.request, list_head, m_tile);
+  w.row_shift = p.base.gqa_pack;
+  w.head = list_head << w.row_shift;
   w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
   w.m0 = m_tile * kBlockM;
   w.q_start = warp_uniform(entries.q_begin);
   w.qo_len = warp_uniform(entries.q_end) - w.q_start;
   KV::extent(entries, p.base.page_size, w.kv_start, w.kv_len);
   w.band = MaskBand{w.qo_len, w.kv_len, w.kv_len - w.qo_len, p.base.causal, p.base.window_left};
-  const int last_row = min(w.m0 + kBlockM, w.qo_len) - 1;
-  const int n_begin = w.band.key_begin(w.m0);
-  const int n_end = w.band.key_end(last_row);
+  const int last_row = min(w.m0 + kBlockM, w.rows()) - 1;
+  const int n_begin = w.band.key_begin(w.token(w.m0));
+  const int n_end = w.band.key_end(w.token(last_row));
   w.first_kv_tile = n_begin / kBlockN;
   w.end_kv_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : w.first_kv_tile;
   if (Scheduler::kv_splits(p) > 1) {  // the portable family's runs (prefill_sm80.cuh): equal, the last shorter
@@ -145,7 +156,9 @@ struct StepListScheduler {
   __device__ static int tiles(const PrefillSm90Params& p) { return __ldg(&p.base.slot_begin[blockIdx.x + 1]); }
   __device__ static int list_position(const PrefillSm90Params& p, int cursor) { return __ldg(&p.base.slot_tiles[cursor]); }
   __device__ static int batch_size(const PrefillSm90Params& p) { return __ldg(&p.base.step->batch_size); }
-  __device__ static int m_tiles(const PrefillSm90Params& p) { return (__ldg(&p.base.step->max_qo_len) + kBlockM - 1) / kBlockM; }
+  __device__ static int m_tiles(const PrefillSm90Params& p) {
+    return ((__ldg(&p.base.step->max_qo_len) << p.base.gqa_pack) + kBlockM - 1) / kBlockM;
+  }
   __device__ static int kv_splits(const PrefillSm90Params& p) { return __ldg(&p.base.step->kv_splits); }
   __device__ static bool writes_partials(const PrefillSm90Params& p) { return kv_splits(p) > 1; }
 };
