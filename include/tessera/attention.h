@@ -145,9 +145,11 @@ struct PagedPrefillConfig {
   // with max_kv_splits 1.
   bool batch_invariant = false;
   // The cache's KV heads (0: not given). Given, with num_qo_heads / num_kv_heads a power of two
-  // from 2 to 64, the Hopper family's fixed grid packs a KV head's query heads into one tile
-  // (token-major rows: a decode-like request fills a tile with its group instead of one row), so
-  // the step lists and schedules group-times fewer tiles; run() requires the cache to have them.
+  // from 2 to 64, the Hopper family packs a KV head's query heads into one tile (token-major rows:
+  // a decode-like request fills a tile with its group instead of one row), so a fixed-grid step
+  // lists and schedules group-times fewer tiles; every step of the object, eager or fixed grid,
+  // packs alike (a KV split's runs follow the tiles' heights: batch_invariant relies on that).
+  // Not given, the object never packs. run() requires the cache to have these heads.
   int num_kv_heads = 0;
 };
 
@@ -160,7 +162,7 @@ struct PagedPrefillPlanInfo {
   AttentionPath path = AttentionPath::kAuto;
   double estimated_us = 0.0;  // the Hopper cost model's step time for kv_splits (0: no estimate made)
   bool fixed_grid = false;    // run() takes the fixed grid over plan()'s static schedule
-  int gqa_pack = 0;           // fixed grid: log2 of the query heads a tile packs per token (0: none)
+  int gqa_pack = 0;           // log2 of the query heads a Hopper tile packs per token (0: none)
 };
 
 class BatchPrefillPaged {
@@ -197,6 +199,7 @@ class BatchPrefillPaged {
   int64_t planned_batch_ = 0;
   int num_sms_ = 0;
   bool hopper_reads_pages_ = false;  // the Hopper family runs this config's paged prefill here
+  int gqa_pack_ = 0;                 // packed GQA of every Hopper launch (PrefillParams::gqa_pack)
   PagedPrefillPlanInfo info_;
   std::unique_ptr<FixedGrid> fixed_;
 };

@@ -104,7 +104,7 @@ void bind_prefill_paged(nb::module_& m) {
       .def_ro("estimated_us", &PagedPrefillPlanInfo::estimated_us)
       .def_ro("fixed_grid", &PagedPrefillPlanInfo::fixed_grid, "run() takes the fixed grid over plan()'s schedule")
       .def_ro("gqa_pack", &PagedPrefillPlanInfo::gqa_pack,
-              "fixed grid: log2 of the query heads a tile packs per token (0: none)");
+              "log2 of the query heads a Hopper tile packs per token (0: none)");
   m.def("paged_prefill_workspace_bytes", &BatchPrefillPaged::workspace_bytes, "config"_a,
         "Bytes of device workspace a BatchPrefillPaged of this config needs.");
   nb::class_<PagedPrefiller>(m, "PagedPrefiller", "tessera::BatchPrefillPaged over a workspace tensor.")

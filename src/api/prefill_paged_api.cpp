@@ -233,6 +233,16 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
       config.path, cc_major, cc_minor, dispatch::prefill_dtype_compiled(DType::kBF16) ? DType::kBF16 : DType::kFP16,
       config.head_dim, problem);
   hopper_reads_pages_ = family.ok && family.path == AttentionPath::kHopper;
+  // Packed GQA on the Hopper family (num_kv_heads given): one choice for every step and grid of
+  // this object. A KV split cuts each tile's own KV range into runs, and a packed tile (block_m /
+  // group tokens) can see fewer KV tiles than an unpacked one, so the runs, and a request's bits,
+  // follow the packing: batch_invariant needs all steps packed alike, and a captured graph's
+  // tensor maps fix it anyway. A forced mode (tests, benchmarks) applies from construction on.
+  const int limit = config.num_kv_heads > 0 ? dispatch::prefill_gqa_pack_limit(config.num_qo_heads, config.num_kv_heads) : 0;
+  if (dispatch::forced_prefill_gqa_pack() != dispatch::GqaPack::kNever &&
+      (int64_t(config.max_q_rows) << limit) < (int64_t(1) << 31)) {
+    gqa_pack_ = limit;
+  }
   if (has_fixed_grid(config)) {
     cudaPointerAttributes attr{};
     const bool device_memory = cudaPointerGetAttributes(&attr, workspace) == cudaSuccess &&
@@ -349,6 +359,9 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // The family the step is planned for: the Hopper one where it reads this config's pages (or is
   // forced), else the portable one.
   const bool hopper_plans = config_.path == AttentionPath::kHopper || hopper_reads_pages_;
+  info_.gqa_pack = hopper_plans ? gqa_pack_ : 0;
+  // (The split below is judged on unpacked tiles, as its cost model was measured; packed, a
+  // decode-heavy step has group-times fewer tiles and may under-fill where this sees it full.)
   // The split count (info_.kv_splits) and the family it is for (info_.path).
   [&] {
     const int forced = dispatch::forced_prefill_kv_splits();
@@ -418,14 +431,9 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   fixed_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
   plan::PrefillScheduleProblem sp;
   static_cast<plan::PrefillTiling&>(sp) = tiling;
-  // Packed GQA on the Hopper family (PagedPrefillConfig::num_kv_heads): a tile holds block_m >> pack
-  // tokens of the group's 2^pack heads, and the list counts KV heads. Decided by the config alone,
-  // so every step of a captured graph packs as its capture did.
-  int pack = 0;
-  if (hopper && config_.num_kv_heads > 0 && dispatch::forced_prefill_gqa_pack() != dispatch::GqaPack::kNever &&
-      (int64_t(config_.max_q_rows) << kernels::sm90::kMaxGqaPack) < (int64_t(1) << 31)) {
-    pack = dispatch::prefill_gqa_pack_limit(config_.num_qo_heads, config_.num_kv_heads);
-  }
+  // Packed GQA (gqa_pack_, the constructor's): a tile holds block_m >> pack tokens of the group's
+  // 2^pack heads, and the list counts KV heads.
+  const int pack = hopper ? gqa_pack_ : 0;
   if (hopper) {
     const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
     sp.block_m = tile.block_m >> pack;
@@ -454,7 +462,6 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   }
   fixed_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, fixed_->scratch);
   fixed_->gqa_pack = pack;
-  info_.gqa_pack = pack;
   kernels::PrefillStep step{};
   step.batch_size = static_cast<int32_t>(batch);
   step.max_qo_len = static_cast<int32_t>(max_qo);
@@ -533,7 +540,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   }
   const int64_t splits = info_.kv_splits;
   if (splits == 1) {
-    detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
+    detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream, gqa_pack_);
     return;
   }
   TESSERA_REQUIRE(check, a.q.size(0) <= config_.max_q_rows, "q",
@@ -543,7 +550,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
   p.kv_splits = static_cast<int>(splits);
   p.partial_o = workspace_;
   p.partial_lse = workspace_ + splits * rows * heads * d;
-  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream);
+  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream, gqa_pack_);
   // Partials [splits, rows, heads, d] seen as merge_states' [rows, splits, heads, d].
   const int64_t used = a.host_qo_indptr[p.batch_size];
   const TensorView o_parts = TensorView::strided(p.partial_o, DType::kFP32, {used, splits, heads, d},
