@@ -290,9 +290,9 @@ void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType d
   if (path == AttentionPath::kHopper) {
     const int num_sms = dispatch::sm_count();
     kernels::PrefillParams hp = p;
-    // A fixed-grid launch packs as its plan did; an eager one as its caller (BatchPrefillPaged: one
-    // choice for all its steps) or the dispatcher says.
-    if (hp.step == nullptr) hp.gqa_pack = gqa_pack >= 0 ? gqa_pack : dispatch::choose_prefill_gqa_pack(hp, head_dim);
+    // As the caller says (BatchPrefillPaged: one choice for all its steps and grids), else as the
+    // dispatcher does.
+    hp.gqa_pack = gqa_pack >= 0 ? gqa_pack : dispatch::choose_prefill_gqa_pack(hp);
     kernels::sm90::launch_prefill_sm90(dtype, head_dim, hp, dispatch::choose_prefill_sm90_schedule(hp, head_dim, num_sms),
                                        num_sms, stream);
   } else {

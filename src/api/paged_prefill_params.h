@@ -14,8 +14,8 @@ namespace tessera::detail {
 kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPrefillArgs& args, AttentionPath& path);
 
 // Launches a prefill (ragged or paged: p.paged; with p.kv_splits > 1 the portable family's split)
-// on the family `path`. gqa_pack: the Hopper family's packed GQA (PrefillParams::gqa_pack) for an
-// eager launch, or -1 for the dispatcher's choice; a fixed-grid launch (p.step) keeps p's.
+// on the family `path`. gqa_pack: the Hopper family's packed GQA (PrefillParams::gqa_pack; the
+// portable family takes none), or -1 for the dispatcher's choice.
 void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType dtype, int head_dim,
                     cudaStream_t stream, int gqa_pack = -1);
 

@@ -116,13 +116,12 @@ void launch_fixed_grid(const detail::ArgCheck& check, const PagedPrefillConfig& 
   // longest request only).
   p.window_left = a.window_left >= format::kMaxRowTokens ? -1 : a.window_left;
   p.kv_splits = planned_splits;  // the host's view only: the kernels read the step's
-  p.gqa_pack = gqa_pack;          // as plan() scheduled the tiles
   const int64_t rows = a.q.size(0), heads = a.q.size(1), d = a.q.size(2);
   if (can_split) {
     p.partial_o = workspace;
     p.partial_lse = workspace + int64_t(config.max_kv_splits) * rows * heads * d;
   }
-  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream);
+  detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(d), stream, gqa_pack);  // as plan() scheduled
   // An unsplit step's kernels write o themselves and its merge would write nothing: an eager
   // run() skips the launch (~3 us); a captured one keeps it for the later steps it replays.
   if (!can_split || (!config.cuda_graph && planned_splits == 1)) return;
@@ -165,7 +164,6 @@ struct BatchPrefillPaged::FixedGrid {
   AttentionPath family = AttentionPath::kAuto;  // the family the last schedule was made for
   plan::PrefillScheduleScratch scratch;         // the scheduler's
   plan::PrefillScheduleResult schedule;
-  int gqa_pack = 0;  // of the schedule's tiles (PrefillParams::gqa_pack)
   bool captured = false;
   int64_t q_rows = INT64_MAX, kv_indices_len = INT64_MAX, cache_pages = INT64_MAX;
   // The fixed grids and the schedule are for the GPU the object was made on.
@@ -334,7 +332,6 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   hopper_tiles *= config_.num_qo_heads;
   info_.query_tiles = tiles;
   info_.estimated_us = 0.0;
-  info_.gqa_pack = 0;
   planned_rows_ = host_qo_indptr[batch];
   // Either family's grid counts every (request, head, query tile of the longest request) times the
   // splits in 31 bits: a split count (forced, or from a batch of many empty requests) that would
@@ -461,7 +458,6 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     throw Error("tessera::BatchPrefillPaged::plan: the step's schedule outgrew its workspace (internal error)");
   }
   fixed_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, fixed_->scratch);
-  fixed_->gqa_pack = pack;
   kernels::PrefillStep step{};
   step.batch_size = static_cast<int32_t>(batch);
   step.max_qo_len = static_cast<int32_t>(max_qo);
@@ -529,7 +525,7 @@ void BatchPrefillPaged::run(const PagedPrefillArgs& a, cudaStream_t stream) {
                         " family: with cuda_graph, set the config's path to the family run() takes");
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     TESSERA_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    launch_fixed_grid(check, config_, workspace_, info_.kv_splits, fixed_->gqa_pack, a, p, path, stream);
+    launch_fixed_grid(check, config_, workspace_, info_.kv_splits, gqa_pack_, a, p, path, stream);
     if (capture != cudaStreamCaptureStatusNone) {  // what later plans must fit
       fixed_->captured = true;
       fixed_->q_rows = std::min(fixed_->q_rows, a.q.size(0));

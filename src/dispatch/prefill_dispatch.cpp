@@ -284,9 +284,6 @@ namespace {
 std::atomic<bool> g_schedule_forced{false};
 kernels::sm90::PrefillSm90Schedule g_forced_schedule;
 std::atomic<int> g_forced_kv_splits{0};
-}  // namespace
-
-namespace {
 std::atomic<GqaPack> g_gqa_pack{GqaPack::kAuto};
 }  // namespace
 
@@ -299,10 +296,9 @@ int prefill_gqa_pack_limit(int num_qo_heads, int num_kv_heads) {
   return pack <= kernels::sm90::kMaxGqaPack ? pack : 0;
 }
 
-int choose_prefill_gqa_pack(const kernels::PrefillParams& p, int head_dim) {
+int choose_prefill_gqa_pack(const kernels::PrefillParams& p) {
   const int pack = prefill_gqa_pack_limit(p.num_qo_heads, p.num_kv_heads);
   const GqaPack mode = g_gqa_pack.load();
-  (void)head_dim;
   if (pack == 0 || mode == GqaPack::kNever || (int64_t(p.max_qo_len) << pack) >= (int64_t(1) << 31)) return 0;
   // Packed, a tile holds block_m / group tokens of every head of the group: never more tiles than
   // unpacked, the same masked share of a tile's keys, one read of the group's K / V, and the

@@ -55,7 +55,7 @@ void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* sched
 // Tests and benchmarks force it on (GqaPack::kAlways, the same as kAuto today) or off.
 enum class GqaPack { kAuto, kNever, kAlways };
 int prefill_gqa_pack_limit(int num_qo_heads, int num_kv_heads);  // the pack the group allows (0: none)
-int choose_prefill_gqa_pack(const kernels::PrefillParams& params, int head_dim);
+int choose_prefill_gqa_pack(const kernels::PrefillParams& params);
 void force_prefill_gqa_pack(GqaPack mode);
 GqaPack forced_prefill_gqa_pack();
 

@@ -182,21 +182,21 @@ TEST(PrefillDispatch, GqaPackPolicy) {
   p.num_qo_heads = 32;
   p.num_kv_heads = 8;
   p.max_qo_len = 1;  // decode-like: 4 x 32 tiles of one row unpacked, 4 x 8 packed
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 2);
   p.max_qo_len = 4096;  // equal long requests: as many tiles either way, packed too
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 2);
   p.num_kv_heads = 32;
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 0);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 0);
   p.num_kv_heads = 8;
   dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kAlways);
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 2);
   p.max_qo_len = 1;
   dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kNever);
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 0);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 0);
   dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kAuto);
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 2);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 2);
   p.max_qo_len = (1 << 30);  // rows x group would overflow 31 bits
-  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p, 128), 0);
+  EXPECT_EQ(dispatch::choose_prefill_gqa_pack(p), 0);
 }
 
 }  // namespace

@@ -22,56 +22,40 @@ struct OnlineSoftmax {
 
   __device__ explicit OnlineSoftmax(float log2_scale_) : log2_scale(log2_scale_) {}
 
-  // Turns S into P in place and returns in `rescale` the factor for O (and is applied to the sums).
-  template <int kCols>
-  __device__ __forceinline__ void update(AccTile<kCols>& s, float (&rescale)[2]) {
-    float m[2] = {max[0], max[1]};
-    row_max(s, m);
-    float offset[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      offset[r] = m[r] == -INFINITY ? 0.f : m[r] * log2_scale;
-      // Exactly 1 if unmoved: max * log2_scale - offset contracts into an FMA whose result is
-      // max * log2_scale's rounding error, not 0, and 2^that scaled O and l by 1 + 2^-24 or so for
-      // every KV tile a row sees nothing in (a tile that only other rows of its tile reach), so a
-      // row's bits depended on its tile's other rows. 0 the first time.
-      rescale[r] = max[r] == m[r] ? 1.f : exp2_approx(max[r] * log2_scale - offset[r]);
-      max[r] = m[r];
-      sum[r] *= rescale[r];
-    }
-    exp2_row(s, log2_scale, offset);
-    row_sum_partial(s, sum);
-  }
-
-  // update() with FA4's conditional rescale: a row whose new maximum is at most kLazyRescaleLog2
-  // (log2 units) above its current one keeps the current one, so its P is taken against it (at
-  // most 2^kLazyRescaleLog2: in range for fp16 / bf16 and their fp32 sums) and its O and l need
-  // no rescale (factor exactly 1: l and O carry the same stale-maximum factor, which finish()'s
-  // 1 / l and LSE account for exactly). Returns whether any row of the warp moved its maximum,
-  // i.e. whether O must be multiplied by `rescale` (warp-uniform, so the caller's multiply is a
-  // branch instead of 64 FMULs every tile; rows that kept theirs are multiplied by 1, which
-  // changes no bit, so a row's result never depends on the other rows of its warp). The first
-  // tile of a row (maximum -inf) always moves.
+  // Turns S into P in place and returns in `rescale` the factor for O (and applies it to the
+  // sums), exactly 1 for a row whose maximum did not move: max * log2_scale - offset contracts
+  // into an FMA whose result is max * log2_scale's rounding error, not 0, and 2^that scaled O and
+  // l by 1 + 2^-24 or so for every KV tile a row sees nothing in (a tile only other rows of its
+  // tile reach), so a row's bits depended on its tile's other rows. 0 the first time.
+  // kLazy: FA4's conditional rescale. A row whose new maximum is at most kLazyRescaleLog2 (log2
+  // units) above its current one keeps the current one, so its P is taken against it (at most
+  // 2^kLazyRescaleLog2: in range for fp16 / bf16 and their fp32 sums) and its O and l need no
+  // rescale (factor 1: l and O carry the same stale-maximum factor, which finish()'s 1 / l and LSE
+  // account for exactly). Returns whether any row of the warp moved its maximum, i.e. whether O
+  // must be multiplied by `rescale` (warp-uniform, so the caller's multiply is a branch instead of
+  // 64 FMULs every tile; rows that kept theirs are multiplied by 1, which changes no bit, so a
+  // row's result never depends on the other rows of its warp). Without kLazy: true.
   static constexpr float kLazyRescaleLog2 = 8.f;
-  template <int kCols>
-  __device__ __forceinline__ bool update_lazy(AccTile<kCols>& s, float (&rescale)[2]) {
+  template <bool kLazy = false, int kCols>
+  __device__ __forceinline__ bool update(AccTile<kCols>& s, float (&rescale)[2]) {
     float m[2] = {max[0], max[1]};
     row_max(s, m);
     float offset[2];
     bool moved_any = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const bool keep = m[r] == max[r] || (m[r] - max[r]) * log2_scale <= kLazyRescaleLog2;
+      const bool keep = m[r] == max[r] || (kLazy && (m[r] - max[r]) * log2_scale <= kLazyRescaleLog2);
       const float old_max = max[r];
       if (!keep) max[r] = m[r];
       offset[r] = max[r] == -INFINITY ? 0.f : max[r] * log2_scale;
-      rescale[r] = keep ? 1.f : exp2_approx(old_max * log2_scale - offset[r]);  // as update(): 0 the first time
+      rescale[r] = keep ? 1.f : exp2_approx(old_max * log2_scale - offset[r]);
       sum[r] *= rescale[r];
       moved_any = moved_any || !keep;
     }
     exp2_row(s, log2_scale, offset);
     row_sum_partial(s, sum);
-    return __any_sync(0xffffffffu, moved_any);
+    if constexpr (kLazy) return __any_sync(0xffffffffu, moved_any);
+    return true;
   }
 
   // The first tile of a row: nothing to rescale.

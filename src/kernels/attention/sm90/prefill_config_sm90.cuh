@@ -81,7 +81,7 @@ struct PrefillSm90Config {
   // the 227 KB limit): registers.
   static constexpr bool kStoreOViaSmem = kHeadDim != 256 && TESSERA_SM90_O_VIA_SMEM != 0;
   // O is rescaled only when a row maximum of the warp rose by more than 2^8 (OnlineSoftmax::
-  // update_lazy, FA4's conditional rescale), so most KV tiles of a long row skip O's FMULs.
+  // update<true>, FA4's conditional rescale), so most KV tiles of a long row skip O's FMULs.
   // Same run, two interleaved rounds (H100, notes/prefill_hopper.md v9): hd256 +3-4% (8K 717 vs
   // 687, 16K causal 675 vs 653 TFLOP/s: O is 128 FMULs a thread there and no ping-pong hides the
   // softmax); hd128 -0.5 to -1.5% (the ping-pong already hides it; the vote and branch cost);

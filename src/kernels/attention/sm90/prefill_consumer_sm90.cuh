@@ -250,9 +250,7 @@ struct PrefillConsumer {
         if (i == tiles - 1) release(bar.q_empty[q_slot]);
         logits_and_mask(s, w, tile * kBlockN);
         float rescale[2];
-        bool rescale_o = true;
-        if constexpr (Config::kLazyRescale) rescale_o = softmax.update_lazy(s, rescale);
-        else softmax.update(s, rescale);
+        const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
         wgmma_wait<0>();
         fence_registers(o);
         fence_registers(pf);
