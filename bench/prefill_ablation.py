@@ -23,6 +23,7 @@ Variants (tessera_bench prefill parameters):
   single_outer_heavy      Hopper, one tile per CTA, the last query tile of every head first
   gqa_packed              packed GQA wherever the group allows it (a KV head's query heads in one tile)
   gqa_unpacked            no packed GQA (one query head a tile)
+  no_split                the plan's KV split forced to 1 (prefill_paged / prefill_plan suites)
 Extra `key=value` arguments after `--` go to every tessera_bench call.
 """
 import argparse
@@ -43,6 +44,7 @@ VARIANTS = {
     "single_outer_heavy": ["path=hopper", "scheduler=single", "order=outer", "heavy_first=true"],
     "gqa_packed": ["gqa_pack=on"],
     "gqa_unpacked": ["gqa_pack=off"],
+    "no_split": ["kv_splits=1"],
 }
 
 

@@ -316,9 +316,10 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                           " pages once run() was captured: a replay follows the page ids unchecked");
     }
   }
-  // The grid's query tiles (with rows; portable and Hopper tile heights) and the longest key range
+  // The grid's query tiles (with rows; portable and Hopper tile heights: a packed Hopper tile holds
+  // block_m >> gqa_pack_ tokens of a KV head's 2^gqa_pack_ query heads) and the longest key range
   // a tile can see.
-  const int64_t hopper_rows = kernels::sm90::prefill_sm90_block_m(config_.head_dim);
+  const int64_t hopper_rows = kernels::sm90::prefill_sm90_block_m(config_.head_dim) >> gqa_pack_;
   int64_t tiles = 0, hopper_tiles = 0, longest = 0, max_qo = 0;
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t qo = host_qo_indptr[r + 1] - host_qo_indptr[r];
@@ -329,7 +330,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     longest = std::max(longest, pages);
   }
   tiles *= config_.num_qo_heads;
-  hopper_tiles *= config_.num_qo_heads;
+  hopper_tiles *= config_.num_qo_heads >> gqa_pack_;
   info_.query_tiles = tiles;
   info_.estimated_us = 0.0;
   planned_rows_ = host_qo_indptr[batch];
@@ -357,8 +358,6 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // forced), else the portable one.
   const bool hopper_plans = config_.path == AttentionPath::kHopper || hopper_reads_pages_;
   info_.gqa_pack = hopper_plans ? gqa_pack_ : 0;
-  // (The split below is judged on unpacked tiles, as its cost model was measured; packed, a
-  // decode-heavy step has group-times fewer tiles and may under-fill where this sees it full.)
   // The split count (info_.kv_splits) and the family it is for (info_.path).
   [&] {
     const int forced = dispatch::forced_prefill_kv_splits();
@@ -385,7 +384,11 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
         plan::PrefillSplitProblem problem;
         static_cast<plan::PrefillTiling&>(problem) = tiling;
         problem.head_dim = config_.head_dim;
-        problem.block_m = tile.block_m;
+        // Judged on the tiles that run: packed, a decode-like request is one tile per KV head (a
+        // tile costs its block_m rows, packed or not, so the cost model stands).
+        problem.block_m = tile.block_m >> gqa_pack_;
+        problem.num_qo_heads = config_.num_qo_heads >> gqa_pack_;
+        problem.packed_heads = 1 << gqa_pack_;
         problem.block_n = tile.block_n;
         problem.slots = num_sms_;
         problem.max_splits = config_.max_kv_splits;

@@ -63,7 +63,7 @@ PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const Pre
     const double waves = std::ceil(total / (double(pr.slots) * longest));
     double us = waves * longest;
     if (splits > 1) {
-      const double bytes = double(rows) * pr.num_qo_heads * splits * (pr.head_dim + 1) * 4.0 * 2.0;
+      const double bytes = double(rows) * pr.num_qo_heads * pr.packed_heads * splits * (pr.head_dim + 1) * 4.0 * 2.0;
       us += cost.merge_launch_us + bytes / (cost.partial_gb_per_s * 1e3);
     }
     return us;

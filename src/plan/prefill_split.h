@@ -48,6 +48,10 @@ struct PrefillTiling {
 struct PrefillSplitProblem : PrefillTiling {
   int head_dim = 0;
   int max_splits = 1;
+  // Query heads in each token of a tile: packed GQA's group (block_m then counts tokens of
+  // block_m x packed_heads rows, num_qo_heads the KV heads), 1 unpacked. The partial states count
+  // every query head.
+  int packed_heads = 1;
 };
 
 struct PrefillSplitChoice {

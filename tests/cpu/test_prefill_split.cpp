@@ -18,16 +18,18 @@ namespace {
 using Batch = tessera::testing::PrefillBatch;
 
 // hd128 on the H200: 128 x 128 tiles, 132 SMs.
-PrefillSplitChoice choose(const Batch& b, int heads, bool causal = true, int max_splits = 16, int window = -1) {
+PrefillSplitChoice choose(const Batch& b, int heads, bool causal = true, int max_splits = 16, int window = -1,
+                          int gqa_pack = 0) {
   PrefillSplitProblem p;
   p.qo_indptr = b.qo_indptr.data();
   p.kv_indptr = b.kv_indptr.data();
   p.last_page_len = b.last.data();
   p.page_size = 16;
   p.batch = static_cast<int64_t>(b.last.size());
-  p.num_qo_heads = heads;
+  p.num_qo_heads = heads >> gqa_pack;
+  p.packed_heads = 1 << gqa_pack;
   p.head_dim = 128;
-  p.block_m = 128;
+  p.block_m = 128 >> gqa_pack;
   p.block_n = 128;
   p.causal = causal;
   p.window_left = window;
@@ -115,4 +117,26 @@ TEST(PrefillSplit, CapHoldsAndEstimatesCoverTheWork) {
     EXPECT_GE(c.unsplit_us * (1 + 1e-9), longest);
     EXPECT_LE(c.estimated_us, c.unsplit_us);
   }
+}
+
+// Packed GQA (group 4): 8 one-token requests over 16K keys are 8 x 8 = 64 tiles, not 256: half
+// the SMs idle while each tile streams a whole history, so a split in two fills them; unpacked,
+// the same step's 256 tiles take two waves, which a split cannot shorten (twice the tiles, half as
+// long), and the step is left alone.
+TEST(PrefillSplit, PackedDecodeRowsAreJudgedOnThePackedTiles) {
+  Batch b;
+  for (int r = 0; r < 8; ++r) b.add(1, 16384);
+  const PrefillSplitChoice packed = choose(b, 32, true, 16, -1, 2);
+  const PrefillSplitChoice unpacked = choose(b, 32, true, 16, -1, 0);
+  EXPECT_EQ(unpacked.splits, 1);
+  EXPECT_EQ(packed.splits, 2);
+  EXPECT_LT(packed.estimated_us, 0.6 * packed.unsplit_us);
+  // One token's band either way, so the tiles are equally long: the unsplit steps differ in their
+  // waves only (2 against 1).
+  EXPECT_NEAR(unpacked.unsplit_us, 2.0 * packed.unsplit_us, 1e-6 * unpacked.unsplit_us);
+  // A chunk of 128 tokens is 32 tiles either way (packed: 4 of 32 tokens x 8 KV heads): the
+  // decision stays.
+  Batch chunk;
+  chunk.add(128, 32768);
+  EXPECT_EQ(choose(chunk, 32, true, 16, -1, 2).splits, choose(chunk, 32, true, 16, -1, 0).splits);
 }

@@ -544,14 +544,19 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
     std::vector<int> qo_len, kv_len;
     int kv_heads, qo_heads;
     bool causal;
+    bool packed_only;  // under-fills only as packed GQA tiles (num_kv_heads given)
   };
   // Every shape has fewer query tiles than the H200 has SMs on either family, so plan() splits
   // (the CPU reference bounds the sizes: its fp64 and low-precision passes run on one core).
   const std::vector<Shape> shapes = {
-      {{128}, {16384}, 2, 8, true},                       // one chunk of 128 over 16K
-      {{97, 300}, {9000, 5000}, 2, 8, true},              // awkward lengths
-      {{512, 1, 1, 0, 3}, {6000, 4096, 1, 700, 0}, 1, 8, true},  // mixed, with empty ones
-      {{128, 128}, {9000, 9000}, 2, 8, false},            // non-causal
+      {{128}, {16384}, 2, 8, true, false},                       // one chunk of 128 over 16K
+      {{97, 300}, {9000, 5000}, 2, 8, true, false},              // awkward lengths
+      {{512, 1, 1, 0, 3}, {6000, 4096, 1, 700, 0}, 1, 8, true, false},  // mixed, with empty ones
+      {{128, 128}, {9000, 9000}, 2, 8, false, false},            // non-causal
+      // Decode-like rows (1-4 tokens), 32 query / 8 KV heads: 288 one-tile-per-head tiles fill two
+      // waves unpacked, 72 packed ones (one per KV head) half of one, so the split is judged on
+      // the packed tiles.
+      {{1, 4, 1, 2, 1, 3, 1, 4, 1}, {8000, 7001, 8192, 6500, 8100, 7777, 8000, 5000, 8191}, 8, 32, true, true},
   };
   uint32_t seed = 900;
   for (const Shape& sh : shapes) {
@@ -565,24 +570,31 @@ TEST(GpuPrefillPagedSplit, ChunkedPrefillOverLongHistories) {
     c.causal = sh.causal;
     SCOPED_TRACE(describe(c));
     PagedProblem p(c, seed++);
-    PagedPrefillConfig cfg = prefill_config(c, p.q.rows);
-    DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
-    BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
-    const PagedPrefillArgs a = p.args();
-    prefill.plan(a.host_qo_indptr, a.table);
-    auto run = [&] {
-      p.poison();
-      prefill.run(a, nullptr);
-      if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("run() failed on the GPU");
-      return fetch(p.o, p.lse, p.out_shape());
-    };
-    const Outputs split = run();
-    EXPECT_GT(prefill.last_plan().kv_splits, 1) << "the case under-fills the GPU and should be split";
+    const Expected expected = p.expected();
     const bool hopper_here = hopper_unavailable(c.kv.dtype, c.kv.head_dim).empty();
-    EXPECT_EQ(prefill.last_plan().path, hopper_here ? AttentionPath::kHopper : AttentionPath::kPortable)
-        << "the family that reads the pages splits";
-    check_against(split, p.expected(), "split paged prefill");
-    EXPECT_TRUE(bitwise_equal(split, run())) << "a second run() of the same plan differs";
+    for (const bool packed : {false, true}) {
+      SCOPED_TRACE(packed ? "packed GQA (num_kv_heads given)" : "unpacked");
+      PagedPrefillConfig cfg = prefill_config(c, p.q.rows);
+      if (packed) cfg.num_kv_heads = c.kv.num_kv_heads;
+      DeviceBuffer ws(std::max<size_t>(BatchPrefillPaged::workspace_bytes(cfg), 256));
+      BatchPrefillPaged prefill(cfg, ws.get(), ws.bytes());
+      const PagedPrefillArgs a = p.args();
+      prefill.plan(a.host_qo_indptr, a.table);
+      auto run = [&] {
+        p.poison();
+        prefill.run(a, nullptr);
+        if (cudaDeviceSynchronize() != cudaSuccess) throw std::runtime_error("run() failed on the GPU");
+        return fetch(p.o, p.lse, p.out_shape());
+      };
+      const Outputs split = run();
+      if (!sh.packed_only || (packed && hopper_here)) {
+        EXPECT_GT(prefill.last_plan().kv_splits, 1) << "the case under-fills the GPU and should be split";
+        EXPECT_EQ(prefill.last_plan().path, hopper_here ? AttentionPath::kHopper : AttentionPath::kPortable)
+            << "the family that reads the pages splits";
+      }
+      check_against(split, expected, "split paged prefill");
+      EXPECT_TRUE(bitwise_equal(split, run())) << "a second run() of the same plan differs";
+    }
   }
 }
 
