@@ -30,6 +30,17 @@ constexpr int64_t kRowsPerCta = 128;
 constexpr int64_t kMinKeysPerRun = 256;
 constexpr int64_t kTargetCtasPerSm = 4;
 
+// The Hopper family's tiles as they run: packed GQA (pack) puts block_m >> pack tokens of a KV
+// head's 2^pack query heads in a tile, and the grid counts num_qo_heads >> pack heads. The split
+// judgement and the fixed grid's schedule both read this one derivation.
+struct HopperRunTiles {
+  int block_m, block_n, heads;
+};
+HopperRunTiles hopper_run_tiles(const PagedPrefillConfig& c, int pack) {
+  const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(c.head_dim);
+  return {tile.block_m >> pack, tile.block_n, c.num_qo_heads >> pack};
+}
+
 // The fixed grid (cuda_graph, or an eager config with max_batch_size) can run a step.
 bool has_fixed_grid(const PagedPrefillConfig& c) { return c.cuda_graph || c.max_batch_size >= 1; }
 
@@ -319,18 +330,18 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // The grid's query tiles (with rows; portable and Hopper tile heights: a packed Hopper tile holds
   // block_m >> gqa_pack_ tokens of a KV head's 2^gqa_pack_ query heads) and the longest key range
   // a tile can see.
-  const int64_t hopper_rows = kernels::sm90::prefill_sm90_block_m(config_.head_dim) >> gqa_pack_;
+  const HopperRunTiles hopper_run = hopper_run_tiles(config_, gqa_pack_);
   int64_t tiles = 0, hopper_tiles = 0, longest = 0, max_qo = 0;
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t qo = host_qo_indptr[r + 1] - host_qo_indptr[r];
     max_qo = std::max(max_qo, qo);
     tiles += (qo + kRowsPerCta - 1) / kRowsPerCta;
-    hopper_tiles += (qo + hopper_rows - 1) / hopper_rows;
+    hopper_tiles += (qo + hopper_run.block_m - 1) / hopper_run.block_m;
     const int64_t pages = table.host_indptr[r + 1] - table.host_indptr[r];
     longest = std::max(longest, pages);
   }
   tiles *= config_.num_qo_heads;
-  hopper_tiles *= config_.num_qo_heads >> gqa_pack_;
+  hopper_tiles *= hopper_run.heads;
   info_.query_tiles = tiles;
   info_.estimated_us = 0.0;
   planned_rows_ = host_qo_indptr[batch];
@@ -380,20 +391,20 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
       if (forced > 0) {
         info_.kv_splits = capped(forced);
       } else if (hopper_tiles < 2 * int64_t(num_sms_) && config_.max_kv_splits > 1) {
-        const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
+        const int block_m = hopper_run.block_m << gqa_pack_;  // the tile's rows, packed or not
         plan::PrefillSplitProblem problem;
         static_cast<plan::PrefillTiling&>(problem) = tiling;
         problem.head_dim = config_.head_dim;
         // Judged on the tiles that run: packed, a decode-like request is one tile per KV head (a
         // tile costs its block_m rows, packed or not, so the cost model stands).
-        problem.block_m = tile.block_m >> gqa_pack_;
-        problem.num_qo_heads = config_.num_qo_heads >> gqa_pack_;
+        problem.block_m = hopper_run.block_m;
+        problem.num_qo_heads = hopper_run.heads;
         problem.packed_heads = 1 << gqa_pack_;
-        problem.block_n = tile.block_n;
+        problem.block_n = hopper_run.block_n;
         problem.slots = num_sms_;
         problem.max_splits = config_.max_kv_splits;
         const plan::PrefillSplitChoice choice =
-            plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, tile.block_m, config_.page_size));
+            plan::choose_prefill_split(problem, plan::hopper_prefill_split_cost(config_.head_dim, block_m, config_.page_size));
         info_.kv_splits = capped(choice.splits);
         info_.estimated_us = choice.estimated_us;
       }
@@ -431,14 +442,10 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   fixed_->family = hopper ? AttentionPath::kHopper : AttentionPath::kPortable;
   plan::PrefillScheduleProblem sp;
   static_cast<plan::PrefillTiling&>(sp) = tiling;
-  // Packed GQA (gqa_pack_, the constructor's): a tile holds block_m >> pack tokens of the group's
-  // 2^pack heads, and the list counts KV heads.
-  const int pack = hopper ? gqa_pack_ : 0;
   if (hopper) {
-    const kernels::sm90::PrefillSm90Tile tile = kernels::sm90::prefill_sm90_tile(config_.head_dim);
-    sp.block_m = tile.block_m >> pack;
-    sp.block_n = tile.block_n;
-    sp.num_qo_heads = config_.num_qo_heads >> pack;
+    sp.block_m = hopper_run.block_m;
+    sp.block_n = hopper_run.block_n;
+    sp.num_qo_heads = hopper_run.heads;
   } else {
     sp.block_m = kernels::prefill_sm80_block_m(config_.head_dim);
     sp.block_n = 64;  // (costs only)
