@@ -336,7 +336,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     const int64_t qo = host_qo_indptr[r + 1] - host_qo_indptr[r];
     max_qo = std::max(max_qo, qo);
     tiles += (qo + kRowsPerCta - 1) / kRowsPerCta;
-    hopper_tiles += (qo + hopper_run.block_m - 1) / hopper_run.block_m;
+    hopper_tiles += plan::query_tiles(qo, hopper_run.block_m);
     const int64_t pages = table.host_indptr[r + 1] - table.host_indptr[r];
     longest = std::max(longest, pages);
   }

@@ -35,15 +35,10 @@ constexpr int64_t kNone = INT64_MAX;  // a queue's end: never the smaller front
 
 // The groups longest first, equal costs in list order (the order they were listed in): a
 // counting sort by cost where the costs span a short range (every serving step: costs are KV
-// tiles), else a comparison sort of the keys.
-const std::vector<uint64_t>& sort_groups(PrefillScheduleScratch& scratch) {
+// tiles), else a comparison sort of the keys. low / high: the least and greatest cost listed.
+const std::vector<uint64_t>& sort_groups(PrefillScheduleScratch& scratch, int64_t low, int64_t high) {
   std::vector<uint64_t>& groups = scratch.groups;
   if (groups.empty()) return groups;
-  int64_t low = group_cost(groups[0]), high = low;
-  for (const uint64_t key : groups) {
-    low = std::min(low, group_cost(key));
-    high = std::max(high, group_cost(key));
-  }
   const int64_t range = high - low + 1;
   if (range > 4 * int64_t(groups.size()) + 64) {
     std::sort(groups.begin(), groups.end());
@@ -65,27 +60,31 @@ const std::vector<uint64_t>& sort_groups(PrefillScheduleScratch& scratch) {
 // The next tile takes the smaller front, a run at a time: from `sorted` while its keys lie below
 // `loaded`'s front, from `loaded` while below `sorted`'s. Once `sorted`'s front lies past the last
 // loaded key, the picks cycle through `loaded` in its order, round after round, until a round
-// would pass that front: those rounds go in bulk (the loaded keys + rounds x c, their order kept).
-// After the batch one merge in place restores `sorted`. Each tile's position goes straight to the
-// end of its slot's list (lists of `capacity` entries; false when one would overflow). The same
-// assignment as a min-heap of the keys tile by tile (tests/cpu/test_prefill_schedule.cpp checks
-// it), at O(slots) a batch and a few instructions a tile, where a merge per group, a branch-free
-// pick per tile and a counting sort of the picks cost ~10 ns a tile (notes/prefill_paged.md).
-bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slots, const int32_t* tile_position,
-                  int64_t capacity, PrefillScheduleScratch& scratch, PrefillScheduleResult& res) {
+// would pass that front: those rounds go in bulk (round i appends the live keys + i x c, in their
+// order). After the batch one merge in place restores `sorted`. The same assignment as a min-heap
+// of the keys tile by tile (tests/cpu/test_prefill_schedule.cpp checks it), at O(slots) a batch
+// and a few instructions a tile, where a merge per group, a branch-free pick per tile and a
+// counting sort of the picks cost ~10 ns a tile (notes/prefill_paged.md).
+//
+// `loaded` is a log of every pick (scratch.picks): each appends its slot's new key and the queue
+// consumes from the front, so once every batch is done the log holds each tile's slot in pick
+// order, and with each slot's count (scratch.counts) the caller writes every tile's position once,
+// straight into its slot's place in the output. The per-slot lists of fixed capacity copied out
+// afterwards, and the table of each tile's position they read, were a quarter of the instructions
+// (notes/prefill_paged.md, 2026-12-05).
+void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slots, PrefillScheduleScratch& scratch,
+                  PrefillScheduleResult& res) {
   std::vector<int64_t>& keys = scratch.keys;
-  const size_t ring = 2 * slots + 2;  // `loaded`: live entries <= slots; a run appends <= slots
-  keys.resize(slots + 1 + ring);
+  keys.resize(slots + 1);
   int64_t* sorted = keys.data();
-  int64_t* loaded = sorted + slots + 1;
   for (size_t s = 0; s < slots; ++s) sorted[s] = int64_t(s);  // loads 0, slots ascending
   sorted[slots] = kNone;
-  scratch.lists.resize(slots * size_t(capacity));
-  int32_t* lists = scratch.lists.data();
-  std::vector<int32_t>& length = scratch.lengths;
-  length.assign(slots, 0);
+  scratch.picks.resize(order.size() * size_t(heads));
+  int64_t* loaded = scratch.picks.data();
+  std::vector<int32_t>& count = scratch.counts;
+  count.assign(slots, 0);
   res.longest = res.total = 0.0;
-  const int32_t* position = tile_position;  // the next tile's
+  size_t back = 0;  // the log's end: the tiles picked so far
   for (size_t g = 0; g < order.size();) {
     const int64_t cost = group_cost(order[g]);
     size_t end = g + 1;
@@ -95,32 +94,25 @@ bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
     res.total += double(cost) * double(left);
     g = end;
     const int64_t step = cost << kSlotBits;
-    size_t taken = 0, front = 0, back = 0;  // sorted[taken ..) not taken; loaded[front .. back) live
+    size_t taken = 0, front = back;  // sorted[taken ..) not taken; loaded[front .. back) live
     while (left > 0) {
       const int64_t a = sorted[taken];  // kNone once every slot is taken
       const size_t live = back - front;
       if (live > 0 && a > loaded[back - 1] && left >= int64_t(live)) {
         // Whole rounds through `loaded` before `sorted`'s front: round i's last pick is the last
-        // loaded key + i x c. Slot k of the round takes every live-th tile from the k-th on.
+        // loaded key + i x c.
         const int64_t gap = a == kNone ? kNone : (a - loaded[back - 1] - 1) / step + 1;
-        const int64_t n = int64_t(live), rounds = std::min(left / n, gap);
-        for (size_t i = front; i < back; ++i) {
-          const uint32_t slot = static_cast<uint32_t>(loaded[i] & kSlotMask);
-          if (length[slot] + rounds > capacity) return false;
-          int32_t* to = lists + size_t(slot) * size_t(capacity) + length[slot];
-          const int32_t* from = position + (i - front);
-          for (int64_t r = 0; r < rounds; ++r, from += n) to[r] = *from;
-          length[slot] += static_cast<int32_t>(rounds);
-          loaded[i] += rounds * step;
+        const int64_t rounds = std::min(left / int64_t(live), gap);
+        for (size_t i = front; i < back; ++i) count[loaded[i] & kSlotMask] += static_cast<int32_t>(rounds);
+        for (int64_t r = 1; r <= rounds; ++r) {
+          const int64_t add = r * step;
+          int64_t* to = loaded + back + size_t(r - 1) * live;
+          for (size_t i = 0; i < live; ++i) to[i] = loaded[front + i] + add;
         }
-        position += n * rounds;
-        left -= n * rounds;
+        front += size_t(rounds) * live;
+        back += size_t(rounds) * live;
+        left -= rounds * int64_t(live);
         continue;
-      }
-      if (back + slots > ring) {  // room for a run: the live entries to the start
-        std::copy(loaded + front, loaded + back, loaded);
-        back = live;
-        front = 0;
       }
       // A run from `sorted` (its keys below `loaded`'s front; with nothing loaded, below the first
       // pick's) or from `loaded` (below `sorted`'s front, at most one round).
@@ -131,12 +123,9 @@ bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
       const int64_t n = std::max<int64_t>(1, std::lower_bound(from, from + most, below) - from);  // (sorted)
       for (int64_t i = 0; i < n; ++i) {
         const int64_t key = from[i];
-        const uint32_t slot = static_cast<uint32_t>(key & kSlotMask);
         loaded[back + size_t(i)] = key + step;
-        if (length[slot] == capacity) return false;
-        lists[size_t(slot) * size_t(capacity) + size_t(length[slot]++)] = position[i];
+        ++count[key & kSlotMask];
       }
-      position += n;
       back += size_t(n);
       (from_sorted ? taken : front) += size_t(n);
       left -= n;
@@ -157,7 +146,6 @@ bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
     }
   }
   res.makespan = slots > 0 ? double(sorted[slots - 1] >> kSlotBits) : 0.0;  // the most loaded slot
-  return true;
 }
 
 }  // namespace
@@ -165,8 +153,7 @@ bool assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
 int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
   int64_t tiles = 0;
   for (int64_t r = 0; r < pr.batch; ++r) {
-    const int64_t qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
-    tiles += (qo + pr.block_m - 1) / pr.block_m;
+    tiles += query_tiles(pr.qo_indptr[r + 1] - pr.qo_indptr[r], pr.block_m);
   }
   return tiles * pr.num_qo_heads * pr.kv_splits;
 }
@@ -175,47 +162,67 @@ int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
 PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t* slot_begin, int32_t* positions,
                                        PrefillScheduleScratch& scratch) {
   PrefillScheduleResult res;
+  // The problem's fields as locals (the group stores below, uint64_t, may alias its int64_t ones:
+  // kept in the struct they were reloaded per group), and a one-tile request listed without the
+  // loop: serving_b1024 GQA 4 25 -> 23 us on the development CPU.
+  const int64_t batch = pr.batch;
+  const int32_t* const qo_indptr = pr.qo_indptr;
+  const int block_m = pr.block_m, block_n = pr.block_n, splits = pr.kv_splits, window_left = pr.window_left;
+  const bool causal = pr.causal;
   int max_qo = 0;
-  for (int64_t r = 0; r < pr.batch; ++r) max_qo = std::max(max_qo, pr.qo_indptr[r + 1] - pr.qo_indptr[r]);
-  const int64_t m_tiles = (int64_t(max_qo) + pr.block_m - 1) / pr.block_m;
-  const int64_t heads = pr.num_qo_heads, head_stride = m_tiles * pr.kv_splits;
+  int64_t m_pairs = 0;  // (request, m_tile) pairs with rows
+  for (int64_t r = 0; r < batch; ++r) {
+    const int qo = std::max(qo_indptr[r + 1] - qo_indptr[r], 0);
+    max_qo = std::max(max_qo, qo);
+    m_pairs += query_tiles(qo, block_m);
+  }
+  const int64_t m_tiles = (int64_t(max_qo) + block_m - 1) / block_m;
+  const int64_t heads = pr.num_qo_heads, head_stride = m_tiles * splits;
   std::vector<uint64_t>& groups = scratch.groups;
-  groups.clear();
-  for (int64_t r = 0; r < pr.batch; ++r) {
-    const int qo = pr.qo_indptr[r + 1] - pr.qo_indptr[r];
+  groups.resize(size_t(m_pairs) * size_t(splits));
+  uint64_t* group = groups.data();
+  int64_t low = INT64_MAX, high = 0;  // the costs' range (the sort's)
+  auto add = [&](int64_t cost, int64_t first) {
+    low = std::min(low, cost);
+    high = std::max(high, cost);
+    *group++ = group_key(cost, first);
+  };
+  for (int64_t r = 0; r < batch; ++r) {
+    const int qo = qo_indptr[r + 1] - qo_indptr[r];
+    if (qo <= 0) continue;
     const int kv = request_keys(pr, r);
-    for (int m0 = 0, m = 0; m0 < qo; m0 += pr.block_m, ++m) {
-      const int64_t kv_tiles = query_tile_kv_tiles(qo, kv, pr.causal, pr.window_left, m0, pr.block_m, pr.block_n);
+    const int64_t request_first = r * heads * m_tiles * splits;
+    if (qo <= block_m && splits == 1) {  // one query tile, unsplit: most of a serving step's requests
+      add(kTileStartCost + query_tile_kv_tiles(qo, kv, causal, window_left, 0, block_m, block_n), request_first);
+      continue;
+    }
+    for (int m0 = 0, m = 0; m0 < qo; m0 += block_m, ++m) {
+      const int64_t kv_tiles = query_tile_kv_tiles(qo, kv, causal, window_left, m0, block_m, block_n);
+      const int64_t first = request_first + int64_t(m) * splits;
       // The kernels' runs: equal, the last shorter, some possibly empty.
-      const int64_t per_split = (kv_tiles + pr.kv_splits - 1) / pr.kv_splits;
-      const int64_t first = (r * heads * m_tiles + m) * pr.kv_splits;
-      for (int s = 0; s < pr.kv_splits; ++s) {
-        const int64_t run = std::clamp<int64_t>(kv_tiles - s * per_split, 0, per_split);
-        groups.push_back(group_key(kTileStartCost + run, first + s));
+      const int64_t per_split = (kv_tiles + splits - 1) / splits;
+      for (int s = 0; s < splits; ++s) {
+        add(kTileStartCost + std::clamp<int64_t>(kv_tiles - s * per_split, 0, per_split), first + s);
       }
     }
   }
-  const std::vector<uint64_t>& order = sort_groups(scratch);
+  const std::vector<uint64_t>& order = sort_groups(scratch, low, high);
   const int64_t tiles = int64_t(order.size()) * heads;
   const size_t slots = size_t(pr.slots);
-  // Each tile's list position, in pick order (the sorted groups, each group's heads in order).
-  scratch.tile_position.resize(size_t(tiles));
-  int32_t* position = scratch.tile_position.data();
+  assign_tiles(order, heads, slots, scratch, res);
+  // Each slot's tiles in its place of the output, in pick order: a group's heads are its first
+  // position + h x head_stride.
+  int32_t* cursor = scratch.counts.data();  // each slot's next output index, from its count
+  slot_begin[0] = 0;
+  for (size_t s = 0; s < slots; ++s) {
+    slot_begin[s + 1] = slot_begin[s] + cursor[s];
+    cursor[s] = slot_begin[s];
+  }
+  const int64_t* pick = scratch.picks.data();  // each tile's slot key, in pick order
   const int32_t heads32 = static_cast<int32_t>(heads), head_stride32 = static_cast<int32_t>(head_stride);
   for (const uint64_t key : order) {
     const int32_t first = static_cast<int32_t>(group_first(key));
-    for (int32_t h = 0; h < heads32; ++h) position[h] = first + h * head_stride32;
-    position += heads32;
-  }
-  // Lists of twice the mean length to start with (LPT balances loads, not counts: a slot of long
-  // tiles holds few); doubled until every slot's fits.
-  int64_t capacity = std::min<int64_t>(tiles, 2 * (tiles / int64_t(slots)) + 64);
-  while (!assign_tiles(order, heads, slots, scratch.tile_position.data(), capacity, scratch, res)) capacity *= 2;
-  slot_begin[0] = 0;
-  for (size_t s = 0; s < slots; ++s) {
-    slot_begin[s + 1] = slot_begin[s] + scratch.lengths[s];
-    std::copy(scratch.lists.data() + s * size_t(capacity), scratch.lists.data() + s * size_t(capacity) + scratch.lengths[s],
-              positions + slot_begin[s]);
+    for (int32_t h = 0; h < heads32; ++h) positions[cursor[*pick++ & kSlotMask]++] = first + h * head_stride32;
   }
   res.tiles = tiles;
   return res;

@@ -44,10 +44,9 @@ struct PrefillScheduleScratch {
   std::vector<uint64_t> groups;         // (cost, first position) of each (request, m_tile, split)
   std::vector<uint64_t> sorted_groups;  // longest first
   std::vector<int32_t> bucket;          // the counting sort's, by cost
-  std::vector<int64_t> keys;            // the slot queues
-  std::vector<int32_t> tile_position;   // each tile's list position, in pick order
-  std::vector<int32_t> lists;           // each slot's positions, at a fixed capacity a slot
-  std::vector<int32_t> lengths;         // each slot's list length
+  std::vector<int64_t> keys;            // the slots by load
+  std::vector<int64_t> picks;           // each pick's slot key after it, in pick order
+  std::vector<int32_t> counts;          // each slot's tiles, then its next place in the output
 };
 
 // Writes slot_begin [slots + 1] (slot s runs positions[slot_begin[s] .. slot_begin[s + 1])) and

@@ -4,8 +4,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/attention/common/mask.cuh"
-
 namespace tessera::plan {
 
 PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m, int page_size) {
@@ -26,15 +24,6 @@ PrefillSplitCost hopper_prefill_split_cost(int head_dim, int block_m, int page_s
   c.partial_gb_per_s = 3000.0;
   c.merge_launch_us = 4.0;
   return c;
-}
-
-int64_t query_tile_kv_tiles(int qo_len, int kv_len, bool causal, int window_left, int m0, int block_m, int block_n) {
-  // A window of kv_len keys or more excludes nothing (and its band arithmetic could overflow int):
-  // none, as the entry points pass it to the kernels.
-  const kernels::MaskBand band{qo_len, kv_len, kv_len - qo_len, causal, window_left >= kv_len ? -1 : window_left};
-  const int last_row = std::min(m0 + block_m, band.qo_len) - 1;
-  const int begin = band.key_begin(m0), end = band.key_end(last_row);
-  return end > begin ? (int64_t(end) + block_n - 1) / block_n - begin / block_n : 0;
 }
 
 PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& pr, const PrefillSplitCost& cost) {

@@ -13,7 +13,10 @@
 // measured on the H200 (notes/prefill_paged.md).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+
+#include "kernels/attention/common/mask.cuh"
 
 namespace tessera::plan {
 
@@ -62,8 +65,34 @@ struct PrefillSplitChoice {
 
 PrefillSplitChoice choose_prefill_split(const PrefillSplitProblem& problem, const PrefillSplitCost& cost);
 
+// The query tiles of block_m rows that a request of qo_len >= 0 rows takes. Most requests of a
+// serving step are one tile, and the 64-bit division this skips for them was most of the cost of
+// the planners' per-request loops.
+inline int64_t query_tiles(int64_t qo_len, int64_t block_m) {
+  return qo_len <= block_m ? int64_t(qo_len > 0) : (qo_len + block_m - 1) / block_m;
+}
+
 // The KV tiles of block_n keys that the query tile of rows [m0, m0 + block_m) visits, as the
 // kernels count them (tile_scheduler_sm90.cuh): those meeting the mask band of any of its rows.
-int64_t query_tile_kv_tiles(int qo_len, int kv_len, bool causal, int window_left, int m0, int block_m, int block_n);
+// Inline: the planners call it per query tile (the fixed grid's schedule once a step, the split
+// estimate once a candidate count), and the call cost as much as the arithmetic.
+inline int64_t query_tile_kv_tiles(int qo_len, int kv_len, bool causal, int window_left, int m0, int block_m,
+                                   int block_n) {
+  // A window of kv_len keys or more excludes nothing (and its band arithmetic could overflow int):
+  // none, as the entry points pass it to the kernels.
+  const kernels::MaskBand band{qo_len, kv_len, kv_len - qo_len, causal, window_left >= kv_len ? -1 : window_left};
+  const int last_row = std::min(m0 + block_m, band.qo_len) - 1;
+  const int begin = band.key_begin(m0), end = band.key_end(last_row);
+  if (end <= begin) return 0;
+  // 0 <= begin < end < 2^31 and block_n >= 1: the same quotients in unsigned 32 bits, as shifts
+  // where block_n is a power of two (the hd64 / hd128 paged tiles): a 64-bit division took a tenth of the
+  // fixed grid's schedule at serving_b1024 (notes/prefill_paged.md).
+  const uint32_t n = static_cast<uint32_t>(block_n), last = uint32_t(end) + n - 1;
+  if ((n & (n - 1)) == 0) {
+    const int shift = __builtin_ctz(n);
+    return int64_t((last >> shift) - (uint32_t(begin) >> shift));
+  }
+  return int64_t(last / n - uint32_t(begin) / n);
+}
 
 }  // namespace tessera::plan

@@ -140,3 +140,31 @@ TEST(PrefillSplit, PackedDecodeRowsAreJudgedOnThePackedTiles) {
   chunk.add(128, 32768);
   EXPECT_EQ(choose(chunk, 32, true, 16, -1, 2).splits, choose(chunk, 32, true, 16, -1, 0).splits);
 }
+
+TEST(PrefillSplit, QueryTileCountsMatchTheMaskBand) {
+  // query_tile_kv_tiles divides in 32 bits (shifts for a power-of-two block_n) and query_tiles
+  // skips the division for one-tile requests: both against the band walked key tile by key tile
+  // and a plain ceiling, over causal / windowed / plain masks, odd tile shapes and lengths.
+  std::mt19937 rng(5);
+  for (int t = 0; t < 4000; ++t) {
+    const int qo = 1 + static_cast<int>(rng() % 700), kv = static_cast<int>(rng() % 3000);
+    const bool causal = rng() % 2 == 0;
+    const int window = (int[]){-1, 0, 1, 63, 500, 2999, INT_MAX}[rng() % 7];
+    const int block_m = (int[]){16, 32, 64, 128, 176, 192}[rng() % 6];
+    const int block_n = (int[]){1, 3, 16, 64, 128, 176}[rng() % 6];
+    const tessera::kernels::MaskBand band{qo, kv, kv - qo, causal, window >= kv ? -1 : window};
+    ASSERT_EQ(tessera::plan::query_tiles(qo, block_m), (qo + block_m - 1) / block_m);
+    for (int m0 = 0; m0 < qo; m0 += block_m) {
+      const int last_row = std::min(m0 + block_m, qo) - 1;
+      int64_t want = 0;
+      for (int n0 = 0; n0 < kv; n0 += block_n) {
+        const int n1 = std::min(n0 + block_n, kv);
+        if (n1 > band.key_begin(m0) && n0 < band.key_end(last_row)) ++want;
+      }
+      ASSERT_EQ(tessera::plan::query_tile_kv_tiles(qo, kv, causal, window, m0, block_m, block_n), want)
+          << "qo " << qo << " kv " << kv << " causal " << causal << " window " << window << " m0 " << m0
+          << " block_n " << block_n;
+    }
+  }
+  EXPECT_EQ(tessera::plan::query_tiles(0, 128), 0);
+}
