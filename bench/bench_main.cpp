@@ -292,9 +292,17 @@ void force_gqa_pack(const Args& a) {
                                                    : dispatch::GqaPack::kAuto);
 }
 
+// kv_tile=auto|128|192: the Hopper family's keys per K / V tile as the dispatcher decides, or
+// forced where the head dim and source have that width (ablations; dispatch::force_prefill_sm90_block_n).
+void force_kv_tile(const Args& a) {
+  const std::string keys = arg(a, "kv_tile", "auto");
+  dispatch::force_prefill_sm90_block_n(keys == "auto" ? 0 : std::stoi(keys));
+}
+
 // prefill: FLOPs = 4 * batch * heads * seq^2 * head_dim, halved when causal.
 //   [path=portable|hopper] forces a family; [scheduler= order=inner|outer|mirror heavy_first= run_length=]
-//   the Hopper schedule; [gqa_pack=auto|on|off] packed GQA (force_gqa_pack).
+//   the Hopper schedule; [gqa_pack=auto|on|off] packed GQA (force_gqa_pack); [kv_tile=auto|128|192]
+//   the K / V tile width (force_kv_tile).
 int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
@@ -309,6 +317,7 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   dispatch::limit_shared_memory_per_block(static_cast<int>(smem_limit_kb * 1024));
   force_schedule_if_asked(a);
   force_gqa_pack(a);
+  force_kv_tile(a);
   size_t free_before = 0, free_after = 0, total = 0;
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);
@@ -659,6 +668,7 @@ int bench_prefill_plan(const Args& a) {
   dispatch::force_prefill_kv_splits(static_cast<int>(arg_int(a, "kv_splits", "0")));
   force_schedule_if_asked(a);
   force_gqa_pack(a);
+  force_kv_tile(a);
   PagedPrefillConfig pcfg;
   pcfg.num_qo_heads = qh;
   pcfg.num_kv_heads = kh;  // as an engine configures it (packed GQA on the fixed grid; gqa_pack=off: none)

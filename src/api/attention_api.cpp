@@ -293,8 +293,10 @@ void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType d
     // As the caller says (BatchPrefillPaged: one choice for all its steps and grids), else as the
     // dispatcher does.
     hp.gqa_pack = gqa_pack >= 0 ? gqa_pack : dispatch::choose_prefill_gqa_pack(hp);
-    kernels::sm90::launch_prefill_sm90(dtype, head_dim, hp, dispatch::choose_prefill_sm90_schedule(hp, head_dim, num_sms),
-                                       num_sms, stream);
+    kernels::sm90::launch_prefill_sm90(
+        dtype, head_dim, hp,
+        dispatch::choose_prefill_sm90_schedule(hp, head_dim, num_sms, dispatch::shared_memory_per_block()), num_sms,
+        stream);
   } else {
     kernels::launch_prefill_sm80(dtype, head_dim, p, stream);
   }
@@ -337,8 +339,10 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.kv_indptr = static_cast<const int32_t*>(a.kv_indptr.data);
   p.q_rows = a.q.size(0);
   p.kv_rows = a.k.size(0);
-  p.uniform_lengths = lengths_uniform(a.host_qo_indptr, p.batch_size,
-                                      [&](int64_t i) { return a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]; });
+  const auto kv_len = [&](int64_t i) { return a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]; };
+  p.uniform_lengths = lengths_uniform(a.host_qo_indptr, p.batch_size, kv_len);
+  p.work_weighted_row_keys =
+      dispatch::work_weighted_row_keys(a.host_qo_indptr, a.host_kv_indptr, p.batch_size, p.causal, p.window_left);
   detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);
 }
 

@@ -121,6 +121,17 @@ TESSERA_DECLARE_PREFILL_SM90(64)
 #endif
 #if TESSERA_INST_HD128
 TESSERA_DECLARE_PREFILL_SM90(128)
+#define TESSERA_DECLARE_PREFILL_SM90_WIDE(N)                                                                  \
+  void launch_prefill_sm90_hd128_n##N(DType dtype, const PrefillParams& p, const PrefillSm90Schedule& schedule, \
+                                      int num_sms, cudaStream_t stream);                                        \
+  int prefill_sm90_smem_bytes_hd128_n##N();
+#if TESSERA_INST_HD128_N160
+TESSERA_DECLARE_PREFILL_SM90_WIDE(160)
+#endif
+#if TESSERA_INST_HD128_N192
+TESSERA_DECLARE_PREFILL_SM90_WIDE(192)
+#endif
+#undef TESSERA_DECLARE_PREFILL_SM90_WIDE
 #endif
 #if TESSERA_INST_HD256
 TESSERA_DECLARE_PREFILL_SM90(256)
@@ -132,7 +143,27 @@ bool prefill_sm90_compiled(DType dtype, int head_dim) {
   return TESSERA_INST_HOPPER && prefill_sm80_compiled(dtype, head_dim);
 }
 
-int prefill_sm90_smem_bytes(int head_dim) {
+PrefillSm90BlockNChoices prefill_sm90_block_n_choices(int head_dim) {
+  PrefillSm90BlockNChoices c{1, {prefill_sm90_default_block_n(head_dim), 0, 0}};
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128
+  if (head_dim == 128) {
+    if (TESSERA_INST_HD128_N160) c.keys[c.count++] = 160;
+    if (TESSERA_INST_HD128_N192) c.keys[c.count++] = 192;
+  }
+#endif
+  return c;
+}
+
+int prefill_sm90_smem_bytes(int head_dim, int block_n) {
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128 && TESSERA_INST_HD128_N160
+  if (head_dim == 128 && block_n == 160) return prefill_sm90_smem_bytes_hd128_n160();
+#endif
+#if TESSERA_INST_HOPPER && TESSERA_INST_HD128 && TESSERA_INST_HD128_N192
+  if (head_dim == 128 && block_n == 192) return prefill_sm90_smem_bytes_hd128_n192();
+#endif
+#endif
+  if (block_n != 0 && block_n != prefill_sm90_default_block_n(head_dim)) return 0;
   switch (head_dim) {
 #if TESSERA_INST_HOPPER && TESSERA_INST_HD64
     case 64: return prefill_sm90_smem_bytes_hd64();
@@ -174,7 +205,21 @@ void launch_prefill_sm90(DType dtype, int head_dim, const PrefillParams& params,
     case 64: launch_prefill_sm90_hd64(dtype, params, schedule, num_sms, stream); return;
 #endif
 #if TESSERA_INST_HOPPER && TESSERA_INST_HD128
-    case 128: launch_prefill_sm90_hd128(dtype, params, schedule, num_sms, stream); return;
+    case 128:
+#if TESSERA_INST_HD128_N160
+      if (schedule.block_n == 160) {
+        launch_prefill_sm90_hd128_n160(dtype, params, schedule, num_sms, stream);
+        return;
+      }
+#endif
+#if TESSERA_INST_HD128_N192
+      if (schedule.block_n == 192) {
+        launch_prefill_sm90_hd128_n192(dtype, params, schedule, num_sms, stream);
+        return;
+      }
+#endif
+      launch_prefill_sm90_hd128(dtype, params, schedule, num_sms, stream);
+      return;
 #endif
 #if TESSERA_INST_HOPPER && TESSERA_INST_HD256
     case 256: launch_prefill_sm90_hd256(dtype, params, schedule, num_sms, stream); return;
@@ -285,6 +330,13 @@ std::atomic<bool> g_schedule_forced{false};
 kernels::sm90::PrefillSm90Schedule g_forced_schedule;
 std::atomic<int> g_forced_kv_splits{0};
 std::atomic<GqaPack> g_gqa_pack{GqaPack::kAuto};
+std::atomic<int> g_forced_block_n{0};
+// Keys a query row sees, weighted by work (PrefillParams::work_weighted_row_keys), from which hd128
+// takes 192-key tiles: between 4K non-causal (4096: 0.98x) and 8K causal (5461: 1.02x).
+constexpr int64_t kWideKvTileMinKeys = 5000;
+constexpr int kWideKvTileKeys = 192;
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::PrefillParams& p, int head_dim,
+                                                             int num_sms);
 }  // namespace
 
 int prefill_gqa_pack_limit(int num_qo_heads, int num_kv_heads) {
@@ -320,8 +372,81 @@ void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* sched
   g_schedule_forced.store(schedule != nullptr);
 }
 
+// The keys a query row sees under the mask, averaged over the batch's rows weighted by those
+// keys (PrefillParams::work_weighted_row_keys; host copies): sum of k_r^2 / sum of k_r over rows
+// r. Per request of q rows over k keys: without the causal mask every row sees k; bottom-right
+// causal, row r sees min(k, k - q + r + 1) (>= 0), a run of consecutive counts. A left window caps
+// a row at window_left + 1 (exact for causal rows; for non-causal ones an estimate, which is all
+// the choice needs).
+int64_t work_weighted_row_keys(const int32_t* host_qo_indptr, const int32_t* host_kv_indptr, int64_t batch,
+                               bool causal, int window_left) {
+  const double cap = window_left >= 0 ? double(window_left) + 1 : 0;
+  // Rows seeing lo, lo + 1, ..., hi keys (one row each), capped: (sum of keys, sum of squares).
+  const auto run = [cap](double lo, double hi, double& sum, double& squares) {
+    if (hi < lo) return;
+    const auto s1 = [](double n) { return n * (n + 1) / 2; };
+    const auto s2 = [](double n) { return n * (n + 1) * (2 * n + 1) / 6; };
+    double top = hi;
+    if (cap > 0 && hi > cap) {
+      const double capped = hi - std::max(lo - 1, cap);  // rows over the cap
+      sum += capped * cap;
+      squares += capped * cap * cap;
+      top = std::max(lo - 1, cap);
+    }
+    sum += s1(top) - s1(lo - 1);
+    squares += s2(top) - s2(lo - 1);
+  };
+  double sum = 0, squares = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const double q = host_qo_indptr[i + 1] - host_qo_indptr[i], k = double(host_kv_indptr[i + 1] - host_kv_indptr[i]);
+    if (q <= 0 || k <= 0) continue;
+    if (causal) {
+      run(std::max(1.0, k - q + 1), k, sum, squares);
+    } else {
+      const double seen = cap > 0 ? std::min(k, cap) : k;
+      sum += q * seen;
+      squares += q * seen * seen;
+    }
+  }
+  return sum > 0 ? static_cast<int64_t>(squares / sum) : 0;
+}
+
+void force_prefill_sm90_block_n(int keys) { g_forced_block_n.store(keys > 0 ? keys : 0); }
+
+int choose_prefill_sm90_block_n(const kernels::PrefillParams& p, int head_dim, int shared_memory_per_block) {
+  using namespace kernels::sm90;
+  const PrefillSm90BlockNChoices choices = prefill_sm90_block_n_choices(head_dim);
+  const int forced = g_forced_block_n.load();
+  if (forced > 0) {
+    for (int i = 0; i < choices.count; ++i)
+      if (choices.keys[i] == forced && (i == 0 || !p.paged)) return forced;
+    return choices.keys[0];  // (a width this head dim or source does not have: the default)
+  }
+  // hd128's 192-key tiles (ragged K / V): a tile's fixed work spread over 1.5x the keys, which
+  // pays only where a query tile walks many KV tiles; below, the wider tile's longer first S and
+  // last P V per work tile cost more than it saves. Same run, H100, 192 / 128 keys (notes/
+  // prefill_hopper.md, "192-key tiles"; work-weighted keys a row in brackets): 2K 0.97 (2048),
+  // 2K causal 0.95 (1365), 4K 0.98 (4096), 4K causal 0.99 (2731), 8K 1.01 (8192), 8K causal
+  // 1.02 (5461), 16K 1.03, 16K causal 1.03, GQA 8 8K 1.03, GQA 8 16K causal 1.06.
+  bool wide_built = false;
+  for (int i = 1; i < choices.count; ++i) wide_built |= choices.keys[i] == kWideKvTileKeys;
+  const bool wide_fits = wide_built && !p.paged &&
+                         (shared_memory_per_block <= 0 ||
+                          prefill_sm90_smem_bytes(head_dim, kWideKvTileKeys) <= shared_memory_per_block);
+  if (wide_fits && p.work_weighted_row_keys >= kWideKvTileMinKeys) return kWideKvTileKeys;
+  return choices.keys[0];
+}
+
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p, int head_dim,
-                                                                int num_sms) {
+                                                                int num_sms, int shared_memory_per_block) {
+  kernels::sm90::PrefillSm90Schedule s = choose_prefill_sm90_order(p, head_dim, num_sms);
+  s.block_n = choose_prefill_sm90_block_n(p, head_dim, shared_memory_per_block);
+  return s;
+}
+
+namespace {
+kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::PrefillParams& p, int head_dim,
+                                                             int num_sms) {
   using namespace kernels::sm90;
   if (p.step != nullptr) {
     // A fixed-grid launch (a CUDA graph's) walks the plan's schedule (plan/prefill_schedule.h),
@@ -367,6 +492,7 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::P
   }
   return s;
 }
+}  // namespace
 
 int sm_count() { return current_device_attribute<cudaDevAttrMultiProcessorCount>(); }
 int compute_capability() {

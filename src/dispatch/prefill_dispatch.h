@@ -46,9 +46,19 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 
 // The Hopper family's tile order and scheduler for a problem (the measured policy of
 // notes/prefill_hopper.md), unless a test or benchmark forced one (nullptr lifts it).
+// shared_memory_per_block: what the GPU allows (shared_memory_per_block()), 0 not checked; it
+// bounds the K / V tile width (choose_prefill_sm90_block_n).
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim,
-                                                                int num_sms);
+                                                                int num_sms, int shared_memory_per_block = 0);
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
+// Keys per K / V tile (PrefillSm90Schedule::block_n) for a problem: hd128 with ragged K / V takes
+// 192 where rows see many keys (PrefillParams::work_weighted_row_keys), every other case the head
+// dim's default; a forced width (tests, benchmarks; 0 lifts it) wins where the source has it.
+// PrefillParams::work_weighted_row_keys of a ragged batch from its host indptrs.
+int64_t work_weighted_row_keys(const int32_t* host_qo_indptr, const int32_t* host_kv_indptr, int64_t batch,
+                               bool causal, int window_left);
+int choose_prefill_sm90_block_n(const kernels::PrefillParams& params, int head_dim, int shared_memory_per_block);
+void force_prefill_sm90_block_n(int keys);
 // Packed GQA for the Hopper family (PrefillParams::gqa_pack: log2 of the query heads a tile packs
 // per token, 0 for none): possible where the group (num_qo_heads / num_kv_heads) is a power of
 // two from 2 to 64, and taken wherever possible (measured never slower; prefill_dispatch.cpp).

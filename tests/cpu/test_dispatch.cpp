@@ -2,6 +2,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "dispatch/kernel_families.h"
 #include "dispatch/prefill_dispatch.h"
 #include "tessera/device_info.h"
@@ -165,6 +167,69 @@ TEST(PrefillDispatch, HopperSchedulePolicy) {
   EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kSingleTile);
   dispatch::force_prefill_sm90_schedule(nullptr);
   EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kStaticPersistent);
+}
+
+// hd128's 192-key K / V tiles where rows see many keys (ragged K / V only, when they fit the
+// GPU's shared memory); every other case the head dim's default width; a forced width where the
+// source has it.
+TEST(PrefillDispatch, HopperKvTileWidthPolicy) {
+  const auto choices = kernels::sm90::prefill_sm90_block_n_choices(128);
+  const bool wide_built = choices.count > 1;  // the Hopper family with hd128 in this build
+  kernels::PrefillParams p;
+  p.batch_size = 2;
+  p.num_qo_heads = 32;
+  p.num_kv_heads = 8;
+  p.max_qo_len = 8192;
+  p.work_weighted_row_keys = 8192;
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), wide_built ? 192 : 128);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, 132, 0).block_n, wide_built ? 192 : 128);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 64, 0), 128);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 256, 0), 80);
+  if (wide_built) {
+    const int wide_bytes = kernels::sm90::prefill_sm90_smem_bytes(128, 192);
+    EXPECT_GT(wide_bytes, kernels::sm90::prefill_sm90_smem_bytes(128));
+    EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, wide_bytes), 192);
+    EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, wide_bytes - 1), 128);  // does not fit
+  }
+  p.work_weighted_row_keys = 1024;  // short rows: the wide tile's boundary costs more than it saves
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), 128);
+  p.work_weighted_row_keys = 0;  // not computed
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), 128);
+  p.work_weighted_row_keys = 8192;
+  p.paged = true;  // the paged sources take 128-key tiles
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), 128);
+  dispatch::force_prefill_sm90_block_n(192);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), 128);
+  p.paged = false;
+  p.work_weighted_row_keys = 64;
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), wide_built ? 192 : 128);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 64, 0), 128);  // no such width at hd64
+  dispatch::force_prefill_sm90_block_n(128);
+  p.work_weighted_row_keys = 8192;
+  EXPECT_EQ(dispatch::choose_prefill_sm90_block_n(p, 128, 0), 128);
+  dispatch::force_prefill_sm90_block_n(0);
+}
+
+// The work-weighted keys a row sees (the K / V tile width's measure), on closed forms.
+TEST(PrefillDispatch, WorkWeightedRowKeys) {
+  const auto keys = [](std::vector<int32_t> qo, std::vector<int32_t> kv, bool causal, int window) {
+    std::vector<int32_t> qo_indptr{0}, kv_indptr{0};
+    for (size_t i = 0; i < qo.size(); ++i) {
+      qo_indptr.push_back(qo_indptr.back() + qo[i]);
+      kv_indptr.push_back(kv_indptr.back() + kv[i]);
+    }
+    return dispatch::work_weighted_row_keys(qo_indptr.data(), kv_indptr.data(), int64_t(qo.size()), causal, window);
+  };
+  EXPECT_EQ(keys({4096, 4096}, {4096, 4096}, false, -1), 4096);
+  EXPECT_EQ(keys({8192}, {8192}, true, -1), 5461);  // rows see 1..n: (2n + 1) / 3
+  EXPECT_EQ(keys({3}, {3}, true, -1), 2);            // (1 + 4 + 9) / 6 = 2.33
+  EXPECT_EQ(keys({2}, {10}, true, -1), 9);           // rows see 9 and 10: 181 / 19 = 9.5
+  EXPECT_EQ(keys({10}, {2}, true, -1), 1);           // 8 rows see nothing, then 1 and 2: 5 / 3
+  EXPECT_EQ(keys({8192}, {8192}, true, 99), 99);     // capped at 100 from row 100 on: just under 100
+  EXPECT_EQ(keys({5}, {5}, true, 2), 2);             // 1, 2, 3, 3, 3: 32 / 12 = 2.67
+  EXPECT_EQ(keys({16, 1}, {16, 9000}, false, -1), (16 * 256 + 9000LL * 9000) / (16 * 16 + 9000));
+  EXPECT_EQ(keys({0, 7}, {50, 0}, false, -1), 0);    // no row sees a key
+  EXPECT_EQ(keys({}, {}, false, -1), 0);
 }
 
 // Packed GQA: groups that are powers of two from 2 to 64, taken wherever possible (equal long

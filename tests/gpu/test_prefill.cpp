@@ -36,6 +36,9 @@ struct PrefillCase {
   // Hopper family: each packed-GQA mode in turn (empty: the dispatcher's), every run bitwise equal
   // to the first (a row's arithmetic does not depend on the rows that share its tile).
   std::vector<dispatch::GqaPack> gqa_packs;
+  // Hopper family: keys per K / V tile forced (dispatch::force_prefill_sm90_block_n; 0: the
+  // dispatcher's choice).
+  int block_n = 0;
 };
 
 std::string describe(const PrefillCase& c) {
@@ -177,6 +180,7 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     for (const auto* s : schedules)
       for (dispatch::GqaPack pack : packs) runs.push_back({path, s, pack});
   }
+  dispatch::force_prefill_sm90_block_n(c.block_n);
   std::vector<uint16_t> first_packed_o;  // of the first run with gqa_packs
   std::vector<float> first_packed_lse;
   for (const Run& run : runs) {
@@ -186,6 +190,7 @@ void run_case(const PrefillCase& c, uint32_t seed) {
       trace += " scheduler " + std::to_string(int(run.schedule->scheduler)) + " order " +
                std::to_string(int(run.schedule->order)) + " heavy_first " + std::to_string(run.schedule->heavy_first);
     }
+    if (c.block_n != 0) trace += " kv tile " + std::to_string(c.block_n);
     if (run.pack == dispatch::GqaPack::kAlways) trace += " gqa packed";
     if (run.pack == dispatch::GqaPack::kNever) trace += " gqa unpacked";
     SCOPED_TRACE(trace);
@@ -236,6 +241,7 @@ void run_case(const PrefillCase& c, uint32_t seed) {
   }
   dispatch::force_prefill_sm90_schedule(nullptr);
   dispatch::force_prefill_gqa_pack(dispatch::GqaPack::kAuto);
+  dispatch::force_prefill_sm90_block_n(0);
 }
 
 // Numerical edge cases on every family: a NaN in one request's K reaches exactly the rows that see
@@ -466,9 +472,8 @@ TEST(GpuPrefill, RowsPastTheLastRequestAreNotWritten) {
   }
 }
 
-TEST(GpuPrefillHopper, EverySchedule) {
-  TESSERA_REQUIRE_GPU();
-  uint32_t seed = 500;
+// Every schedule of the Hopper family: both schedulers x every order (heavy first or not).
+std::vector<kernels::sm90::PrefillSm90Schedule> every_hopper_schedule() {
   std::vector<kernels::sm90::PrefillSm90Schedule> schedules;
   for (auto scheduler : {kernels::sm90::SchedulerKind::kStaticPersistent, kernels::sm90::SchedulerKind::kSingleTile}) {
     for (auto order : {kernels::sm90::TileOrder::kQueryTilesInner, kernels::sm90::TileOrder::kQueryTilesOuter}) {
@@ -486,6 +491,13 @@ TEST(GpuPrefillHopper, EverySchedule) {
     mirrored.run_length = 2;
     schedules.push_back(mirrored);
   }
+  return schedules;
+}
+
+TEST(GpuPrefillHopper, EverySchedule) {
+  TESSERA_REQUIRE_GPU();
+  uint32_t seed = 500;
+  const std::vector<kernels::sm90::PrefillSm90Schedule> schedules = every_hopper_schedule();
   for (int hd : dispatch::compiled_prefill_head_dims()) {
     const std::string why = hopper_unavailable(DType::kBF16, hd);
     if (!why.empty()) GTEST_SKIP() << why;
@@ -540,6 +552,91 @@ TEST(GpuPrefillHopper, LongRequestsMagnitudesAndStrides) {
     if (!dispatch::prefill_dtype_compiled(dt)) continue;
     c.dtype = dt;
     run_case(c, 602);
+  }
+}
+
+// hd128's wide K / V tiles (160 keys; 192 with O staged in Q's buffer), which the dispatcher takes
+// for long rows, forced onto the grids of the 128-key tiles' tests: every schedule over awkward
+// lengths (KV lengths below, at and across the tile's edges, qo_len > kv_len, empty q, requests
+// without keys, rows past qo_len in a tile's O), windows, soft-cap, a 16385-row request with
+// large logits, GQA 16 with packed-projection strides, fp16, and packed GQA bitwise equal to
+// unpacked.
+TEST(GpuPrefillHopper, WideKvTiles) {
+  TESSERA_REQUIRE_GPU();
+  const std::string why = hopper_unavailable(DType::kBF16, 128);
+  if (!why.empty()) GTEST_SKIP() << why;
+  const auto choices = kernels::sm90::prefill_sm90_block_n_choices(128);
+  ASSERT_GT(choices.count, 1);
+  for (int w = 1; w < choices.count; ++w) {
+    const int keys = choices.keys[w];
+    SCOPED_TRACE("kv tile " + std::to_string(keys));
+    uint32_t seed = 900;
+    const auto hopper_case = [keys] {  // hd128 bf16 on the Hopper family with this tile width
+      PrefillCase x;
+      x.head_dim = 128;
+      x.block_n = keys;
+      x.path = AttentionPath::kHopper;
+      return x;
+    };
+    PrefillCase c = hopper_case();
+    c.num_qo_heads = 4;
+    c.num_kv_heads = 1;
+    c.schedules = every_hopper_schedule();
+    c.qo_len = {1, 7, 577, 1000, 300, 0, 129, 97, 2100, 200, 64};
+    c.kv_len = {7, keys - 1, 577, 1200, 2100, 9, keys, 54, 2100, 0, 2 * keys + 1};
+    c.causal = true;
+    run_case(c, seed++);
+    c.causal = false;
+    c.window_left = 100;
+    run_case(c, seed++);
+    c.window_left = -1;
+    c.soft_cap = 30.f;
+    run_case(c, seed++);
+
+    PrefillCase l = hopper_case();
+    l.num_qo_heads = 1;
+    l.num_kv_heads = 1;
+    l.qo_len = {16385};
+    l.kv_len = {16385};
+    l.causal = true;
+    run_case(l, seed++);
+    l.causal = false;
+    l.window_left = 300;
+    run_case(l, seed++);
+    l.window_left = -1;
+    l.qo_len = {333, 1};
+    l.kv_len = {4000, 1};
+    l.q_range = 24.f;
+    l.kv_range = 4.f;
+    run_case(l, seed++);
+    l.q_range = 2.f;
+    l.kv_range = 1.f;
+    l.num_qo_heads = 16;
+    l.pad = 40;
+    l.soft_cap = 20.f;
+    l.causal = true;
+    for (DType dt : {DType::kBF16, DType::kFP16}) {
+      if (!dispatch::prefill_dtype_compiled(dt)) continue;
+      l.dtype = dt;
+      run_case(l, seed++);
+    }
+
+    PrefillCase g = hopper_case();
+    g.gqa_packs = {dispatch::GqaPack::kNever, dispatch::GqaPack::kAlways};
+    for (auto [qh, kh] : {std::pair{4, 2}, {32, 2}, {64, 1}}) {
+      g.num_qo_heads = qh;
+      g.num_kv_heads = kh;
+      g.qo_len = {1, 7, 97, 0, 300, 3, 257, 1};
+      g.kv_len = {1, 300, 54, 5, 700, 3, 257, 1500};
+      g.causal = true;
+      g.window_left = -1;
+      g.pad = 0;
+      run_case(g, seed++);
+      g.causal = false;
+      g.window_left = 150;
+      g.pad = 24;
+      run_case(g, seed++);
+    }
   }
 }
 

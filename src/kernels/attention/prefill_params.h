@@ -65,6 +65,10 @@ struct PrefillParams {
   // From the host copies: every request has the same qo_len and the same kv_len (the Hopper
   // family's schedule pairs tiles by cost only then; prefill_dispatch.cpp).
   bool uniform_lengths = true;
+  // From the host copies: the keys a query row sees under the mask, averaged over the batch's rows
+  // weighted by those keys, so by where the work is (sum of k_r^2 over sum of k_r; 0: not
+  // computed). The Hopper family picks its hd128 K / V tile width by it (prefill_dispatch.cpp).
+  int64_t work_weighted_row_keys = 0;
   bool grid_tiles_last = false;  // set by the launcher: the grid's order (see prefill_sm80.cuh)
   // Mask: bottom-right causal and/or a left window (window_left < 0: none).
   bool causal = false;

@@ -50,6 +50,18 @@ struct Mbarrier {
         "r"(int(pred))
         : "memory");
   }
+  // `count` arrivals at once (one thread standing for others that have already synchronised with
+  // it), predicated like arrive_if.
+  __device__ void arrive_if(bool pred, uint32_t count) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0], %2;\n"
+        "}\n" ::"r"(smem_u32(&word)),
+        "r"(int(pred)), "r"(count)
+        : "memory");
+  }
   // One arrival once every cp.async this thread issued before has landed, not counted ahead
   // (.noinc: the barrier's arrival count includes it).
   __device__ void arrive_after_copies() {

@@ -3,13 +3,14 @@
 // K and V stream through a ring of kStages tiles of kBlockN keys. Shapes as measured on the H200
 // (notes/prefill_hopper.md): 
 //   hd64:  192 x 128, 3 consumers, 4 stages
-//   hd128: 128 x 128, 2 consumers, 2 stages
+//   hd128: 128 x 128, 2 consumers, 2 stages; for long rows 128 x 192 (O staged in Q's buffer)
 //   hd256: 128 x 80,  2 consumers, 2 stages (Q 64 KB + 4 x 40 KB: the 227 KB opt-in limit)
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/attention/sm90/prefill_sm90_launch.h"
 #include "kernels/common/tma_sm90.cuh"
 #include "kernels/common/wgmma_sm90.cuh"
 
@@ -32,9 +33,6 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_PINGPONG_HD256
 #define TESSERA_SM90_PINGPONG_HD256 TESSERA_SM90_PINGPONG_DEFAULT(0)
 #endif
-#ifndef TESSERA_SM90_HD128_BLOCK_N
-#define TESSERA_SM90_HD128_BLOCK_N 128
-#endif
 #ifndef TESSERA_SM90_HD64_CONSUMERS
 #define TESSERA_SM90_HD64_CONSUMERS 3
 #endif
@@ -54,14 +52,21 @@ namespace tessera::kernels::sm90 {
 #define TESSERA_SM90_LAZY_RESCALE_DEFAULT(hd) TESSERA_SM90_LAZY_RESCALE
 #endif
 
-template <int kHeadDimT>
+// kBlockNT: keys per K / V tile, 0 for the head dim's default. hd128 also has a 192-key shape
+// (prefill_sm90_wide_inst.cu.in; 160 too, for ablations) for long rows: a tile's fixed work (O's rescale, the row
+// reductions, barriers, descriptors: ~229 instructions a warp either way) spread over 1.5x the
+// keys (notes/prefill_hopper.md: FA3's non-causal hd128 tile; 4.04 -> ~3.4 instructions a key).
+template <int kHeadDimT, int kBlockNT = 0>
 struct PrefillSm90Config {
   static constexpr int kHeadDim = kHeadDimT;
   // Consumer warpgroups. hd64: three (192-row tiles, FA3's shape): 484 vs 396 TFLOP/s with two at
   // 8K (same run, 295074c); the short S = Q K^T leaves the softmax exposed with two.
   static constexpr int kConsumers = kHeadDim == 64 ? TESSERA_SM90_HD64_CONSUMERS : 2;
   static constexpr int kBlockM = 64 * kConsumers;      // query rows per tile
-  static constexpr int kBlockN = kHeadDim == 256 ? 80 : kHeadDim == 128 ? TESSERA_SM90_HD128_BLOCK_N : 128;  // keys per K / V tile
+  static constexpr int kBlockN = kBlockNT != 0 ? kBlockNT : prefill_sm90_default_block_n(kHeadDim);  // keys per K / V tile
+  // The paged sources take tiles of at most 128 keys (the gather copies two rows per producer lane
+  // pair; the TMA page boxes were sized and tested for them): wider tiles are for ragged K / V.
+  static constexpr bool kPagedSources = kBlockN <= 128;
   static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? TESSERA_SM90_HD128_STAGES : 2;
   // The consumer warpgroups take turns issuing their products (FA3's ping-pong, round robin):
   // while one runs its softmax the others have the tensor cores. Same run (notes/prefill_hopper.md
@@ -80,6 +85,13 @@ struct PrefillSm90Config {
   // cannot describe, from registers). hd256 has no room for it (Q 64 KB + 4 x 40 KB of K / V at
   // the 227 KB limit): registers.
   static constexpr bool kStoreOViaSmem = kHeadDim != 256 && TESSERA_SM90_O_VIA_SMEM != 0;
+  // Where the O tiles would not fit beside Q and the K / V ring (the 192-key hd128 tile: Q 32 KB +
+  // 2 x 2 x 48 KB), each consumer stages its O in its own 64 rows of the Q tile, which only its own
+  // S = Q K^T read (FA3's way); the producer loads the next tile's Q once those stores have read
+  // them (q_empty: PrefillConsumer::epilogue).
+  static constexpr bool kOSharesQ = kStoreOViaSmem &&
+      2 /* bytes an element */ * (kBlockM * kHeadDim * kQStages + 2 * kStages * kBlockN * kHeadDim +
+                               kConsumers * 64 * kHeadDim) + 2048 > 227 * 1024;
   // O is rescaled only when a row maximum of the warp rose by more than 2^8 (OnlineSoftmax::
   // update<true>, FA4's conditional rescale), so most KV tiles of a long row skip O's FMULs.
   // Same run, two interleaved rounds (H100, notes/prefill_hopper.md v9): hd256 +3-4% (8K 717 vs
@@ -93,6 +105,7 @@ struct PrefillSm90Config {
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   static_assert(kBlockN % 8 == 0 && kBlockN / 8 <= 32, "a paged tile is at most 32 boxes: one per producer lane");
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+  static_assert(!kOSharesQ || kQStages == 1, "O in Q's buffer: one Q buffer, released after the O stores");
 };
 
 // The dynamic shared memory of one CTA: the Q tile, the K and V rings, the consumers' O tiles
@@ -110,7 +123,7 @@ struct PrefillSm90Smem {
   static constexpr int kVOffset = kKOffset + kStages * KVTile::kBytes;
   using OTile = Sw128Tile<T, 64, Config::kHeadDim>;  // one consumer's 64 rows of O
   static constexpr int kOOffset = kVOffset + kStages * KVTile::kBytes;
-  static constexpr int kOBytes = Config::kStoreOViaSmem ? Config::kConsumers * OTile::kBytes : 0;
+  static constexpr int kOBytes = Config::kStoreOViaSmem && !Config::kOSharesQ ? Config::kConsumers * OTile::kBytes : 0;
   static constexpr int kBarrierOffset = kOOffset + kOBytes;
   struct Barriers {
     Mbarrier q_full[kQStages], q_empty[kQStages];
@@ -130,7 +143,13 @@ struct PrefillSm90Smem {
   __device__ QTile q(int slot) const { return QTile{base + kQOffset + slot * QTile::kBytes}; }
   __device__ KVTile k(int stage) const { return KVTile{base + kKOffset + stage * KVTile::kBytes}; }
   __device__ KVTile v(int stage) const { return KVTile{base + kVOffset + stage * KVTile::kBytes}; }
-  __device__ OTile o(int consumer) const { return OTile{base + kOOffset + consumer * OTile::kBytes}; }
+  // Column block b of consumer c's 64 rows of O as staged for the TMA store: its own tile, or
+  // (Config::kOSharesQ) its own rows of the Q tile in q_slot (rows 64 c of each column block:
+  // 8 KB steps, whole 1024-byte swizzle atoms, so the same swizzle and box).
+  __device__ unsigned char* o_block(int consumer, int q_slot, int b) const {
+    if constexpr (Config::kOSharesQ) return q(q_slot).block(b) + consumer * 64 * 128;
+    else return base + kOOffset + consumer * OTile::kBytes + b * OTile::kBlockBytes;
+  }
   __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
 };
 

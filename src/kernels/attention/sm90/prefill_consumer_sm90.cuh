@@ -119,8 +119,15 @@ struct PrefillConsumer {
       mask_outside_band(s, w.band, warp_row0, n0, lane, w.row_shift);
   }
 
+  // Q of the tile has been read by this warp's last S: the producer may load the next one into its
+  // buffer. With O staged in Q's buffer (Config::kOSharesQ) that waits for the epilogue instead.
+  __device__ void release_q_after_scores() const {
+    if constexpr (!Config::kOSharesQ) release(smem.barriers().q_empty[q_slot]);
+  }
+
   // O / l and LSE for this warp's rows of the request (rows past the request's are not written).
-  __device__ void epilogue(OTile& o, const OnlineSoftmax& softmax, const WorkTile& w) const {
+  // q_taken: the tile had KV tiles, so its Q was loaded and (kOSharesQ) is released here.
+  __device__ void epilogue(OTile& o, const OnlineSoftmax& softmax, const WorkTile& w, bool q_taken) const {
     float inv_sum[2], lse[2];
     softmax.finish(inv_sum, lse);
     mul_row(o, inv_sum);
@@ -128,11 +135,15 @@ struct PrefillConsumer {
     const int first_row = w.m0 + 64 * consumer;
     if (Scheduler::writes_partials(p)) {
       store_partial_state(o, lse, w, first_row);
+      if (Config::kOSharesQ && q_taken) release(smem.barriers().q_empty[q_slot]);
       return;
     }
     bool via_smem = false;
-    if constexpr (Config::kStoreOViaSmem) via_smem = p.o_via_tma && first_row + 64 <= w.rows();
+    // (O in Q's buffer: only a buffer this tile holds; a tile without KV tiles loaded no Q.)
+    if constexpr (Config::kStoreOViaSmem)
+      via_smem = p.o_via_tma && first_row + 64 <= w.rows() && (!Config::kOSharesQ || q_taken);
     if (via_smem) store_o_via_smem(o, w, first_row);
+    else if (Config::kOSharesQ && q_taken) release(smem.barriers().q_empty[q_slot]);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first_row + 16 * warp + g + 8 * r;
@@ -172,9 +183,10 @@ struct PrefillConsumer {
   // 128-byte swizzle of the map: 16-byte chunk (col / 8) ^ (row % 8), so a warp's 4-byte writes
   // hit 32 banks), then one thread stores the tile's 64-column blocks with TMA, which run on while
   // the consumer starts its next work tile. The previous tile's stores must have left the buffer.
+  // O in Q's buffer (Config::kOSharesQ): the leader waits for its stores to have read the rows,
+  // then releases Q for the four warps (the barrier before the stores saw all four past their S).
   static constexpr int kStoreBarrier = kTurnBarrier + Config::kConsumers;  // + consumer
   __device__ void store_o_via_smem(const OTile& o, const WorkTile& w, int first_row) const {
-    const typename Smem::OTile tile = smem.o(consumer);
     const bool leader = threadIdx.x % 128 == 0;
     bulk_wait_read_if<0>(leader);
     named_barrier_sync(kStoreBarrier + consumer, 128);
@@ -184,7 +196,7 @@ struct PrefillConsumer {
       const int row = 16 * warp + g + 8 * r;  // row % 8 == g
 #pragma unroll
       for (int j = 0; j < OTile::kBlocks; ++j) {
-        unsigned char* chunk = tile.block(j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
+        unsigned char* chunk = smem.o_block(consumer, q_slot, j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
         *reinterpret_cast<uint32_t*>(chunk) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
       }
     }
@@ -192,8 +204,13 @@ struct PrefillConsumer {
     named_barrier_sync(kStoreBarrier + consumer, 128);
 #pragma unroll
     for (int b = 0; b < kHeadDim / 64; ++b)
-      tma_store_3d_if(leader, &p.o_map, tile.block(b), 64 * b, w.head, w.q_start + w.token(first_row));
+      tma_store_3d_if(leader, &p.o_map, smem.o_block(consumer, q_slot, b), 64 * b, w.head,
+                      w.q_start + w.token(first_row));
     bulk_commit_if(leader);
+    if constexpr (Config::kOSharesQ) {
+      bulk_wait_read_if<0>(leader);
+      smem.barriers().q_empty[q_slot].arrive_if(leader, 4);
+    }
   }
 
   // Before the CTA exits: its O stores have left shared memory and been written.
@@ -224,7 +241,7 @@ struct PrefillConsumer {
       wgmma_wait<0>();
       fence_registers(s);
       release(bar.k_empty[ring.stage]);
-      if (tiles == 1) release(bar.q_empty[q_slot]);
+      if (tiles == 1) release_q_after_scores();
       logits_and_mask(s, w, tile * kBlockN);
       softmax.first(s);
       convert(s, pf);
@@ -247,7 +264,7 @@ struct PrefillConsumer {
         wgmma_wait<1>();
         fence_registers(s);
         release(bar.k_empty[ring.stage]);
-        if (i == tiles - 1) release(bar.q_empty[q_slot]);
+        if (i == tiles - 1) release_q_after_scores();
         logits_and_mask(s, w, tile * kBlockN);
         float rescale[2];
         const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
@@ -272,7 +289,7 @@ struct PrefillConsumer {
       fence_registers(o);
       release(bar.v_empty[prev.stage]);
     }
-    epilogue(o, softmax, w);
+    epilogue(o, softmax, w, tiles > 0);
   }
 };
 

@@ -122,10 +122,14 @@ void launch_prefill_sm90_source(const PrefillSm90Params& params, bool persistent
   }
 }
 
-template <typename T, int kHeadDim>
+template <typename T, typename Config>
 void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Schedule& schedule, int num_sms,
                          cudaStream_t stream) {
-  using Config = PrefillSm90Config<kHeadDim>;
+  constexpr int kHeadDim = Config::kHeadDim;
+  if (base.paged && !Config::kPagedSources) {
+    throw Error("tessera: the Hopper prefill's " + std::to_string(Config::kBlockN) +
+                "-key K / V tiles take ragged K / V only, not pages (internal error: the dispatcher chose them)");
+  }
   // Packed GQA: the group's heads share a tile's rows (2^gqa_pack of them a token), so a tile
   // holds a whole number of tokens and one 64-row O box a whole number too.
   const int pack = base.gqa_pack;
@@ -180,13 +184,17 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   const int runs = (params.tiles + params.run_length - 1) / params.run_length;
   // Fixed-grid launches: one CTA per slot of the plan's schedule, one slot per SM.
   const int grid = base.step != nullptr ? num_sms : persistent ? std::min(runs, num_sms) : params.tiles;
-  if (params.kv_gathered) {
-    launch_prefill_sm90_source<T, Config, GatheredKVSm90<Config::kBlockN, kHeadDim>>(params, persistent, grid, stream);
-  } else if (base.paged) {
-    launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
-  } else {
-    launch_prefill_sm90_source<T, Config, RaggedKVSm90>(params, persistent, grid, stream);
+  if constexpr (Config::kPagedSources) {
+    if (params.kv_gathered) {
+      launch_prefill_sm90_source<T, Config, GatheredKVSm90<Config::kBlockN, kHeadDim>>(params, persistent, grid, stream);
+      return;
+    }
+    if (base.paged) {
+      launch_prefill_sm90_source<T, Config, PagedKVSm90>(params, persistent, grid, stream);
+      return;
+    }
   }
+  launch_prefill_sm90_source<T, Config, RaggedKVSm90>(params, persistent, grid, stream);
 }
 
 }  // namespace tessera::kernels::sm90

@@ -22,7 +22,22 @@ struct PrefillSm90Schedule {
   TileOrder order = TileOrder::kQueryTilesInner;
   bool heavy_first = false;  // query tiles from the last (causal: the most keys first)
   int run_length = 1;        // persistent: consecutive list positions per CTA turn (2 with kMirroredPairs)
+  // Keys per K / V tile: 0 for the head dim's default; hd128 with ragged K / V also 160 and 192
+  // (prefill_sm90_block_n_choices). Set by dispatch::choose_prefill_sm90_block_n, also under a
+  // forced schedule (tests and benchmarks force the width with force_prefill_sm90_block_n).
+  int block_n = 0;
 };
+
+// Keys of a K / V tile at head_dim by default (PrefillSm90Config).
+constexpr int prefill_sm90_default_block_n(int head_dim) { return head_dim == 256 ? 80 : 128; }
+
+// The K / V tile widths the family has at head_dim for ragged K / V (the first is the default;
+// paged sources take the default only).
+struct PrefillSm90BlockNChoices {
+  int count;
+  int keys[3];
+};
+PrefillSm90BlockNChoices prefill_sm90_block_n_choices(int head_dim);
 
 // Packed GQA (PrefillParams::gqa_pack) of at most 2^6 = 64 query heads a KV head: a consumer's
 // 64 rows (one O box) then hold whole tokens.
@@ -30,8 +45,9 @@ constexpr int kMaxGqaPack = 6;
 
 // Whether the family was compiled for (dtype, head_dim) (the instantiation list; sm_90a only).
 bool prefill_sm90_compiled(DType dtype, int head_dim);
-// Shared memory one CTA of the family needs at head_dim (0 if not compiled).
-int prefill_sm90_smem_bytes(int head_dim);
+// Shared memory one CTA of the family needs at head_dim with block_n keys a K / V tile (0: the
+// default; 0 returned if not compiled).
+int prefill_sm90_smem_bytes(int head_dim, int block_n = 0);
 // Query rows and keys of one tile at head_dim ({128, 128} if not compiled).
 struct PrefillSm90Tile {
   int block_m, block_n;
