@@ -53,9 +53,10 @@ namespace tessera::kernels::sm90 {
 #endif
 
 // kBlockNT: keys per K / V tile, 0 for the head dim's default. hd128 also has a 192-key shape
-// (prefill_sm90_wide_inst.cu.in; 160 too, for ablations) for long rows: a tile's fixed work (O's rescale, the row
-// reductions, barriers, descriptors: ~229 instructions a warp either way) spread over 1.5x the
-// keys (notes/prefill_hopper.md: FA3's non-causal hd128 tile; 4.04 -> ~3.4 instructions a key).
+// (prefill_sm90_wide_inst.cu.in; 160 too, for ablations) for long rows: a tile's fixed work (O's
+// rescale, the row reductions, barriers, descriptors: ~229 instructions a warp either way) spread
+// over 1.5x the keys (notes/prefill_hopper.md: FA3's non-causal hd128 tile; 4.04 -> ~3.4
+// instructions a key).
 template <int kHeadDimT, int kBlockNT = 0>
 struct PrefillSm90Config {
   static constexpr int kHeadDim = kHeadDimT;
