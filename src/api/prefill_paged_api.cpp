@@ -341,6 +341,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     longest = std::max(longest, pages);
   }
   tiles *= config_.num_qo_heads;
+  const int64_t hopper_query_tiles = hopper_tiles;  // (the schedule's count, per head)
   hopper_tiles *= hopper_run.heads;
   info_.query_tiles = tiles;
   info_.estimated_us = 0.0;
@@ -446,6 +447,8 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     sp.block_m = hopper_run.block_m;
     sp.block_n = hopper_run.block_n;
     sp.num_qo_heads = hopper_run.heads;
+    sp.max_qo_len = max_qo;  // (this pass's: the schedule's own pass over the requests skipped)
+    sp.query_tiles = hopper_query_tiles;
   } else {
     sp.block_m = kernels::prefill_sm80_block_m(config_.head_dim);
     sp.block_n = 64;  // (costs only)

@@ -27,8 +27,13 @@ uint64_t group_key(int64_t cost, int64_t first) {
 int64_t group_cost(uint64_t key) { return int64_t(~uint32_t(key >> kFirstBits)); }
 int64_t group_first(uint64_t key) { return int64_t(key & ((uint64_t(1) << kFirstBits) - 1)); }
 
-// Slot keys: load x 1024 + slot (loads are whole KV tiles; slots < 1024), so the least loaded slot
-// is the smallest key and ties go to the lower slot.
+// Slot keys: (load, slot, tiles) packed high to low, load << (kSlotBits + count bits) | slot << count
+// bits | the slot's tiles so far (loads are whole KV tiles; slots < 1024). Two slots never tie in
+// (load, slot), so the least loaded slot is the smallest key, ties go to the lower slot, and the
+// count below never decides an order: a pick adds cost << (kSlotBits + count bits) + 1. With the
+// count in the key every pick's logged key says where its tile goes in its slot's list (see
+// assign_tiles). Where load, slot and count would not fit 62 bits (never a serving step) the count
+// bits are 0 and the counts come from the log instead.
 constexpr int64_t kSlotBits = 10;
 constexpr int64_t kSlotMask = (int64_t(1) << kSlotBits) - 1;
 constexpr int64_t kNone = INT64_MAX;  // a queue's end: never the smaller front
@@ -68,21 +73,23 @@ const std::vector<uint64_t>& sort_groups(PrefillScheduleScratch& scratch, int64_
 //
 // `loaded` is a log of every pick (scratch.picks): each appends its slot's new key and the queue
 // consumes from the front, so once every batch is done the log holds each tile's slot in pick
-// order, and with each slot's count (scratch.counts) the caller writes every tile's position once,
-// straight into its slot's place in the output. The per-slot lists of fixed capacity copied out
-// afterwards, and the table of each tile's position they read, were a quarter of the instructions
-// (notes/prefill_paged.md, 2026-12-05).
-void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slots, PrefillScheduleScratch& scratch,
-                  PrefillScheduleResult& res) {
+// order and, in the key's count bits, its index in that slot's list (count_bits > 0), so the
+// caller writes every tile's position once, straight into its place in the output. The per-slot
+// lists of fixed capacity copied out afterwards, and the table of each tile's position they read,
+// were a quarter of the instructions; the per-slot counts kept beside the keys, a read-modify-write
+// a pick and another a tile in the scatter, 13% and 27% of the schedule's samples at
+// serving_b1024 GQA 4 (notes/prefill_paged.md, 2026-12-05).
+void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slots, int count_bits,
+                  PrefillScheduleScratch& scratch, PrefillScheduleResult& res) {
+  const int load_shift = int(kSlotBits) + count_bits;
+  const int64_t tick = count_bits > 0 ? 1 : 0;  // a pick's count increment
   std::vector<int64_t>& keys = scratch.keys;
   keys.resize(slots + 1);
   int64_t* sorted = keys.data();
-  for (size_t s = 0; s < slots; ++s) sorted[s] = int64_t(s);  // loads 0, slots ascending
+  for (size_t s = 0; s < slots; ++s) sorted[s] = int64_t(s) << count_bits;  // loads 0, slots ascending
   sorted[slots] = kNone;
   scratch.picks.resize(order.size() * size_t(heads));
   int64_t* loaded = scratch.picks.data();
-  std::vector<int32_t>& count = scratch.counts;
-  count.assign(slots, 0);
   res.longest = res.total = 0.0;
   size_t back = 0;  // the log's end: the tiles picked so far
   for (size_t g = 0; g < order.size();) {
@@ -93,7 +100,7 @@ void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
     res.longest = std::max(res.longest, double(cost));
     res.total += double(cost) * double(left);
     g = end;
-    const int64_t step = cost << kSlotBits;
+    const int64_t step = (cost << load_shift) + tick;
     size_t taken = 0, front = back;  // sorted[taken ..) not taken; loaded[front .. back) live
     while (left > 0) {
       const int64_t a = sorted[taken];  // kNone once every slot is taken
@@ -103,7 +110,6 @@ void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
         // loaded key + i x c.
         const int64_t gap = a == kNone ? kNone : (a - loaded[back - 1] - 1) / step + 1;
         const int64_t rounds = std::min(left / int64_t(live), gap);
-        for (size_t i = front; i < back; ++i) count[loaded[i] & kSlotMask] += static_cast<int32_t>(rounds);
         for (int64_t r = 1; r <= rounds; ++r) {
           const int64_t add = r * step;
           int64_t* to = loaded + back + size_t(r - 1) * live;
@@ -121,11 +127,7 @@ void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
       const int64_t below = from_sorted ? (live > 0 ? loaded[front] : a + step) : a;
       const int64_t most = std::min<int64_t>(left, from_sorted ? int64_t(slots - taken) : int64_t(live));
       const int64_t n = std::max<int64_t>(1, std::lower_bound(from, from + most, below) - from);  // (sorted)
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t key = from[i];
-        loaded[back + size_t(i)] = key + step;
-        ++count[key & kSlotMask];
-      }
+      for (int64_t i = 0; i < n; ++i) loaded[back + size_t(i)] = from[i] + step;
       back += size_t(n);
       (from_sorted ? taken : front) += size_t(n);
       left -= n;
@@ -145,15 +147,16 @@ void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
       while (front < back) sorted[out++] = sorted[rest] < loaded[front] ? sorted[rest++] : loaded[front++];
     }
   }
-  res.makespan = slots > 0 ? double(sorted[slots - 1] >> kSlotBits) : 0.0;  // the most loaded slot
+  res.makespan = slots > 0 ? double(sorted[slots - 1] >> load_shift) : 0.0;  // the most loaded slot
 }
 
 }  // namespace
 
 int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
-  int64_t tiles = 0;
-  for (int64_t r = 0; r < pr.batch; ++r) {
-    tiles += query_tiles(pr.qo_indptr[r + 1] - pr.qo_indptr[r], pr.block_m);
+  int64_t tiles = pr.query_tiles;
+  if (tiles < 0) {
+    tiles = 0;
+    for (int64_t r = 0; r < pr.batch; ++r) tiles += query_tiles(pr.qo_indptr[r + 1] - pr.qo_indptr[r], pr.block_m);
   }
   return tiles * pr.num_qo_heads * pr.kv_splits;
 }
@@ -169,12 +172,16 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
   const int32_t* const qo_indptr = pr.qo_indptr;
   const int block_m = pr.block_m, block_n = pr.block_n, splits = pr.kv_splits, window_left = pr.window_left;
   const bool causal = pr.causal;
-  int max_qo = 0;
-  int64_t m_pairs = 0;  // (request, m_tile) pairs with rows
-  for (int64_t r = 0; r < batch; ++r) {
-    const int qo = std::max(qo_indptr[r + 1] - qo_indptr[r], 0);
-    max_qo = std::max(max_qo, qo);
-    m_pairs += query_tiles(qo, block_m);
+  int max_qo = static_cast<int>(pr.max_qo_len);
+  int64_t m_pairs = pr.query_tiles;  // (request, m_tile) pairs with rows
+  if (max_qo < 0 || m_pairs < 0) {
+    max_qo = 0;
+    m_pairs = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      const int qo = std::max(qo_indptr[r + 1] - qo_indptr[r], 0);
+      max_qo = std::max(max_qo, qo);
+      m_pairs += query_tiles(qo, block_m);
+    }
   }
   const int64_t m_tiles = (int64_t(max_qo) + block_m - 1) / block_m;
   const int64_t heads = pr.num_qo_heads, head_stride = m_tiles * splits;
@@ -193,12 +200,16 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
     const int kv = request_keys(pr, r);
     const int64_t request_first = r * heads * m_tiles * splits;
     if (qo <= block_m && splits == 1) {  // one query tile, unsplit: most of a serving step's requests
-      add(kTileStartCost + query_tile_kv_tiles(qo, kv, causal, window_left, 0, block_m, block_n), request_first);
+      add(kTileStartCost + only_query_tile_kv_tiles(qo, kv, window_left, block_n), request_first);
       continue;
     }
     for (int m0 = 0, m = 0; m0 < qo; m0 += block_m, ++m) {
       const int64_t kv_tiles = query_tile_kv_tiles(qo, kv, causal, window_left, m0, block_m, block_n);
       const int64_t first = request_first + int64_t(m) * splits;
+      if (splits == 1) {  // (a 64-bit division a query tile otherwise)
+        add(kTileStartCost + kv_tiles, first);
+        continue;
+      }
       // The kernels' runs: equal, the last shorter, some possibly empty.
       const int64_t per_split = (kv_tiles + splits - 1) / splits;
       for (int s = 0; s < splits; ++s) {
@@ -209,20 +220,51 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
   const std::vector<uint64_t>& order = sort_groups(scratch, low, high);
   const int64_t tiles = int64_t(order.size()) * heads;
   const size_t slots = size_t(pr.slots);
-  assign_tiles(order, heads, slots, scratch, res);
-  // Each slot's tiles in its place of the output, in pick order: a group's heads are its first
-  // position + h x head_stride.
-  int32_t* cursor = scratch.counts.data();  // each slot's next output index, from its count
-  slot_begin[0] = 0;
-  for (size_t s = 0; s < slots; ++s) {
-    slot_begin[s + 1] = slot_begin[s] + cursor[s];
-    cursor[s] = slot_begin[s];
+  // The count bits: a slot holds at most every tile, and no load passes the mean load before its
+  // last pick plus that pick, high x tiles / slots + high. Keys stay below 2^62 (kNone above them).
+  int count_bits = 0;
+  if (tiles > 0 && slots > 0) {
+    const int bits = 64 - __builtin_clzll(uint64_t(tiles));
+    const uint64_t most_load = uint64_t(high) * uint64_t(tiles) / slots + uint64_t(high);
+    if ((64 - __builtin_clzll(most_load | 1)) + int(kSlotBits) + bits <= 62) count_bits = bits;
   }
-  const int64_t* pick = scratch.picks.data();  // each tile's slot key, in pick order
+  assign_tiles(order, heads, slots, count_bits, scratch, res);
+  // Each slot's place in the output from its final key's count (or from the log), then every
+  // tile to its place, in pick order: a group's heads are its first position + h x head_stride.
+  const int64_t* const log = scratch.picks.data();  // each tile's slot key after its pick
+  std::vector<int32_t>& count = scratch.counts;
+  count.assign(slots, 0);
+  const int64_t count_mask = (int64_t(1) << count_bits) - 1;
+  if (count_bits > 0) {
+    for (size_t s = 0; s < slots; ++s) {
+      const int64_t key = scratch.keys[s];
+      count[size_t((key >> count_bits) & kSlotMask)] = static_cast<int32_t>(key & count_mask);
+    }
+  } else {
+    for (int64_t t = 0; t < tiles; ++t) ++count[size_t(log[t] & kSlotMask)];
+  }
+  slot_begin[0] = 0;
+  for (size_t s = 0; s < slots; ++s) slot_begin[s + 1] = slot_begin[s] + count[s];
   const int32_t heads32 = static_cast<int32_t>(heads), head_stride32 = static_cast<int32_t>(head_stride);
-  for (const uint64_t key : order) {
-    const int32_t first = static_cast<int32_t>(group_first(key));
-    for (int32_t h = 0; h < heads32; ++h) positions[cursor[*pick++ & kSlotMask]++] = first + h * head_stride32;
+  const int64_t* pick = log;
+  if (count_bits > 0) {
+    // A pick's key holds its tile's index in the slot's list + 1: no cursor to carry from tile to
+    // tile.
+    int32_t* const place = count.data();  // slot_begin - 1
+    for (size_t s = 0; s < slots; ++s) place[s] = slot_begin[s] - 1;
+    for (const uint64_t key : order) {
+      const int32_t first = static_cast<int32_t>(group_first(key));
+      for (int32_t h = 0; h < heads32; ++h, ++pick) {
+        positions[place[(*pick >> count_bits) & kSlotMask] + int32_t(*pick & count_mask)] = first + h * head_stride32;
+      }
+    }
+  } else {
+    int32_t* const cursor = count.data();  // each slot's next output index
+    for (size_t s = 0; s < slots; ++s) cursor[s] = slot_begin[s];
+    for (const uint64_t key : order) {
+      const int32_t first = static_cast<int32_t>(group_first(key));
+      for (int32_t h = 0; h < heads32; ++h) positions[cursor[*pick++ & kSlotMask]++] = first + h * head_stride32;
+    }
   }
   res.tiles = tiles;
   return res;

@@ -72,6 +72,19 @@ inline int64_t query_tiles(int64_t qo_len, int64_t block_m) {
   return qo_len <= block_m ? int64_t(qo_len > 0) : (qo_len + block_m - 1) / block_m;
 }
 
+// The KV tiles of block_n keys that keys [begin, end) meet, 0 <= begin < end < 2^31 and block_n >=
+// 1: the quotients in unsigned 32 bits, as shifts where block_n is a power of two (the hd64 /
+// hd128 paged tiles): a 64-bit division took a tenth of the fixed grid's schedule at serving_b1024
+// (notes/prefill_paged.md).
+inline int64_t kv_tiles_between(int begin, int end, int block_n) {
+  const uint32_t n = static_cast<uint32_t>(block_n), last = uint32_t(end) + n - 1;
+  if ((n & (n - 1)) == 0) {
+    const int shift = __builtin_ctz(n);
+    return int64_t((last >> shift) - (uint32_t(begin) >> shift));
+  }
+  return int64_t(last / n - uint32_t(begin) / n);
+}
+
 // The KV tiles of block_n keys that the query tile of rows [m0, m0 + block_m) visits, as the
 // kernels count them (tile_scheduler_sm90.cuh): those meeting the mask band of any of its rows.
 // Inline: the planners call it per query tile (the fixed grid's schedule once a step, the split
@@ -83,16 +96,16 @@ inline int64_t query_tile_kv_tiles(int qo_len, int kv_len, bool causal, int wind
   const kernels::MaskBand band{qo_len, kv_len, kv_len - qo_len, causal, window_left >= kv_len ? -1 : window_left};
   const int last_row = std::min(m0 + block_m, band.qo_len) - 1;
   const int begin = band.key_begin(m0), end = band.key_end(last_row);
-  if (end <= begin) return 0;
-  // 0 <= begin < end < 2^31 and block_n >= 1: the same quotients in unsigned 32 bits, as shifts
-  // where block_n is a power of two (the hd64 / hd128 paged tiles): a 64-bit division took a tenth of the
-  // fixed grid's schedule at serving_b1024 (notes/prefill_paged.md).
-  const uint32_t n = static_cast<uint32_t>(block_n), last = uint32_t(end) + n - 1;
-  if ((n & (n - 1)) == 0) {
-    const int shift = __builtin_ctz(n);
-    return int64_t((last >> shift) - (uint32_t(begin) >> shift));
-  }
-  return int64_t(last / n - uint32_t(begin) / n);
+  return end > begin ? kv_tiles_between(begin, end, block_n) : 0;
+}
+
+// query_tile_kv_tiles of a request's only query tile (0 < qo_len <= block_m, m0 = 0): its last
+// row is the request's, whose band ends at the last key (bottom-right alignment, causal or not),
+// so only a window moves the start. Most of a serving step's requests are one tile, and the
+// band's general case was most of the cost of listing them (notes/prefill_paged.md, 2026-12-05).
+inline int64_t only_query_tile_kv_tiles(int qo_len, int kv_len, int window_left, int block_n) {
+  const int begin = window_left >= 0 && window_left < kv_len ? std::max(kv_len - qo_len - window_left, 0) : 0;
+  return kv_len > begin ? kv_tiles_between(begin, kv_len, block_n) : 0;
 }
 
 }  // namespace tessera::plan

@@ -280,3 +280,24 @@ TEST(PrefillSchedule, EqualsTileByTileLpt) {
     }
   }
 }
+
+TEST(PrefillSchedule, EqualsTileByTileLptWithLoadsPastTheCountBits) {
+  // Slot keys hold (load, slot, tiles so far) in 62 bits; where the loads are too large for that
+  // (histories near 2^29 keys in 1-key KV tiles, thousands of tiles on few slots) the counts come
+  // from the pick log instead. Both ways place the tiles alike.
+  Batch b;
+  for (int i = 0; i < 8; ++i) b.add(1 + 290 * i, (1 << 29) - 4096 * i);
+  for (int slots : {1, 7, 132}) {
+    for (int splits : {1, 3}) {
+      PrefillScheduleProblem p = problem_of(b, 4, splits, slots, 16);
+      p.block_n = 1;
+      p.causal = splits == 1;
+      SCOPED_TRACE("slots " + std::to_string(slots) + " splits " + std::to_string(splits));
+      const Scheduled s = run(p), want = reference_lpt(b, p);
+      ASSERT_EQ(s.slot_begin, want.slot_begin);
+      ASSERT_EQ(s.positions, want.positions);
+      EXPECT_EQ(s.result.makespan, want.result.makespan);
+      EXPECT_EQ(check(b, p, s), "");
+    }
+  }
+}
