@@ -24,8 +24,8 @@ Variants (tessera_bench prefill parameters):
   gqa_packed              packed GQA wherever the group allows it (a KV head's query heads in one tile)
   gqa_unpacked            no packed GQA (one query head a tile)
   no_split                the plan's KV split forced to 1 (prefill_paged / prefill_plan suites)
-  kv128, kv192            the Hopper family's K / V tile width forced (hd128 has both; the
-                          dispatcher takes 192 for long rows)
+  kv128, kv160, kv192     the Hopper family's K / V tile width forced (hd128 has 128 and 192;
+                          the dispatcher takes 192 for long rows; 160 where the build has it)
 Extra `key=value` arguments after `--` go to every tessera_bench call.
 """
 import argparse
@@ -48,6 +48,7 @@ VARIANTS = {
     "gqa_unpacked": ["gqa_pack=off"],
     "no_split": ["kv_splits=1"],
     "kv128": ["kv_tile=128"],
+    "kv160": ["kv_tile=160"],
     "kv192": ["kv_tile=192"],
 }
 

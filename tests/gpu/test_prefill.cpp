@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "dispatch/kernel_families.h"
 #include "dispatch/prefill_dispatch.h"
@@ -194,6 +196,9 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     if (run.pack == dispatch::GqaPack::kAlways) trace += " gqa packed";
     if (run.pack == dispatch::GqaPack::kNever) trace += " gqa unpacked";
     SCOPED_TRACE(trace);
+    // TESSERA_TEST_PROGRESS=1: each run named before it starts (a kernel that never returns
+    // leaves its case as the last line).
+    if (std::getenv("TESSERA_TEST_PROGRESS") != nullptr) std::fprintf(stderr, "run: %s, %s\n", describe(c).c_str(), trace.c_str());
     dispatch::force_prefill_sm90_schedule(run.schedule);
     dispatch::force_prefill_gqa_pack(run.pack);
     a.path = path;
@@ -555,12 +560,12 @@ TEST(GpuPrefillHopper, LongRequestsMagnitudesAndStrides) {
   }
 }
 
-// hd128's wide K / V tiles (160 keys; 192 with O staged in Q's buffer), which the dispatcher takes
-// for long rows, forced onto the grids of the 128-key tiles' tests: every schedule over awkward
-// lengths (KV lengths below, at and across the tile's edges, qo_len > kv_len, empty q, requests
-// without keys, rows past qo_len in a tile's O), windows, soft-cap, a 16385-row request with
-// large logits, GQA 16 with packed-projection strides, fp16, and packed GQA bitwise equal to
-// unpacked.
+// hd128's wide K / V tiles (160 keys; 192 with O staged in Q's buffer, or in a V stage in a build
+// with TESSERA_SM90_O_IN_V=1), which the dispatcher takes for long rows, forced onto the grids of
+// the 128-key tiles' tests: every schedule over awkward lengths (KV lengths below, at and across
+// the tile's edges, qo_len > kv_len, empty q, requests without keys, rows past qo_len in a tile's
+// O), windows, soft-cap, a 16385-row request with large logits, GQA 16 with packed-projection
+// strides, fp16, and packed GQA bitwise equal to unpacked.
 TEST(GpuPrefillHopper, WideKvTiles) {
   TESSERA_REQUIRE_GPU();
   const std::string why = hopper_unavailable(DType::kBF16, 128);
@@ -591,6 +596,13 @@ TEST(GpuPrefillHopper, WideKvTiles) {
     run_case(c, seed++);
     c.window_left = -1;
     c.soft_cap = 30.f;
+    run_case(c, seed++);
+    // Several work tiles a CTA of the persistent schedules (480 tiles): many KV tiles, one, and
+    // none after one another, so each CTA hands O's staging stage on from tile to tile.
+    c.num_qo_heads = 16;
+    c.soft_cap = 0.f;
+    c.qo_len = {1000, 1, 450, 0, 2100, 60};
+    c.kv_len = {1000, keys + 1, 1200, 50, 2100, 0};
     run_case(c, seed++);
 
     PrefillCase l = hopper_case();

@@ -45,6 +45,10 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_O_VIA_SMEM
 #define TESSERA_SM90_O_VIA_SMEM 1
 #endif
+// Where O shares a buffer (the 192-key hd128 tile): 0 stages it in Q's buffer, 1 in a V stage.
+#ifndef TESSERA_SM90_O_IN_V
+#define TESSERA_SM90_O_IN_V 0
+#endif
 // TESSERA_SM90_LAZY_RESCALE sets the conditional O rescale of every head dim (default: hd256 only).
 #ifndef TESSERA_SM90_LAZY_RESCALE
 #define TESSERA_SM90_LAZY_RESCALE_DEFAULT(hd) ((hd) == 256)
@@ -80,19 +84,28 @@ struct PrefillSm90Config {
   // last P V) measure even with one at hd128 (v4, same run: 8K 668 vs 667, 1K causal 329 vs 332
   // TFLOP/s; v2's 0.89x was likely the C7520 serialisation; v7, with the boundary cheaper: 1K
   // causal 438.5 vs 440.3, 8K 693.7 vs 697.2), so one: less shared memory.
-  static constexpr int kQStages = kHeadDim == 256 ? 1 : TESSERA_SM90_Q_STAGES;  // hd256: no room for two
+  static constexpr int kQStages = kHeadDim == 256 || kBlockN > 128 ? 1 : TESSERA_SM90_Q_STAGES;  // hd256, wide tiles: no room for two
   // O of a consumer's 64 full rows leaves through a shared-memory tile and TMA stores that run on
   // while the consumer starts its next work tile (rows past qo_len, and an o the copy engine
   // cannot describe, from registers). hd256 has no room for it (Q 64 KB + 4 x 40 KB of K / V at
   // the 227 KB limit): registers.
   static constexpr bool kStoreOViaSmem = kHeadDim != 256 && TESSERA_SM90_O_VIA_SMEM != 0;
   // Where the O tiles would not fit beside Q and the K / V ring (the 192-key hd128 tile: Q 32 KB +
-  // 2 x 2 x 48 KB), each consumer stages its O in its own 64 rows of the Q tile, which only its own
-  // S = Q K^T read (FA3's way); the producer loads the next tile's Q once those stores have read
-  // them (q_empty: PrefillConsumer::epilogue).
-  static constexpr bool kOSharesQ = kStoreOViaSmem &&
+  // 2 x 2 x 48 KB), O is staged in a buffer it shares:
+  // - kOSharesQ (the default): each consumer writes its O into its own 64 rows of the Q tile,
+  //   which only its own S = Q K^T read; the producer loads the next tile's Q once those stores
+  //   have read them (q_empty: PrefillConsumer::epilogue), so the next Q load waits for both O
+  //   stores at every work tile boundary;
+  // - kOSharesV (TESSERA_SM90_O_IN_V=1, FA3's way): the consumers stage O in the V stage that the
+  //   next work tile's first V tile will fill; the producer loads that tile's Q and first K at once
+  //   and waits for the O stores to have read the stage (o_read) only before its first V. Same run
+  //   on the H200: +1 to +3% over kOSharesQ from 2K (notes/prefill_hopper.md v11); off until its
+  //   GPU tests have passed.
+  static constexpr bool kOSharesBuffer = kStoreOViaSmem &&
       2 /* bytes an element */ * (kBlockM * kHeadDim * kQStages + 2 * kStages * kBlockN * kHeadDim +
                                kConsumers * 64 * kHeadDim) + 2048 > 227 * 1024;
+  static constexpr bool kOSharesV = kOSharesBuffer && TESSERA_SM90_O_IN_V != 0;
+  static constexpr bool kOSharesQ = kOSharesBuffer && !kOSharesV;
   // O is rescaled only when a row maximum of the warp rose by more than 2^8 (OnlineSoftmax::
   // update<true>, FA4's conditional rescale), so most KV tiles of a long row skip O's FMULs.
   // Same run, two interleaved rounds (H100, notes/prefill_hopper.md v9): hd256 +3-4% (8K 717 vs
@@ -107,6 +120,7 @@ struct PrefillSm90Config {
   static_assert(kBlockN % 8 == 0 && kBlockN / 8 <= 32, "a paged tile is at most 32 boxes: one per producer lane");
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
   static_assert(!kOSharesQ || kQStages == 1, "O in Q's buffer: one Q buffer, released after the O stores");
+  static_assert(!kOSharesV || kBlockN >= 64 * kConsumers, "O staged in a V stage: the stage holds the O tiles");
 };
 
 // The dynamic shared memory of one CTA: the Q tile, the K and V rings, the consumers' O tiles
@@ -124,18 +138,20 @@ struct PrefillSm90Smem {
   static constexpr int kVOffset = kKOffset + kStages * KVTile::kBytes;
   using OTile = Sw128Tile<T, 64, Config::kHeadDim>;  // one consumer's 64 rows of O
   static constexpr int kOOffset = kVOffset + kStages * KVTile::kBytes;
-  static constexpr int kOBytes = Config::kStoreOViaSmem && !Config::kOSharesQ ? Config::kConsumers * OTile::kBytes : 0;
+  static constexpr int kOBytes = Config::kStoreOViaSmem && !Config::kOSharesBuffer ? Config::kConsumers * OTile::kBytes : 0;
   static constexpr int kBarrierOffset = kOOffset + kOBytes;
   struct Barriers {
     Mbarrier q_full[kQStages], q_empty[kQStages];
     Mbarrier k_full[kStages], k_empty[kStages];
     Mbarrier v_full[kStages], v_empty[kStages];
     Mbarrier v_zeroed[kStages];  // a partial V tile's rows past kv_len were zeroed (see the producer)
+    Mbarrier o_read;             // Config::kOSharesV: the work tile's O stores have read their V stage
   };
   static constexpr int kAlignment = 1024;  // of the swizzled tiles
   // Requested from the launch: the layout plus the slack that aligns the dynamic base.
   static constexpr int kBytes = kBarrierOffset + int(sizeof(Barriers)) + kAlignment;
   static_assert(kBytes <= 227 * 1024, "shared memory of one sm_90 block");
+  static_assert(!Config::kOSharesV || KVTile::kBytes >= Config::kConsumers * OTile::kBytes, "O tiles in a V stage");
 
   unsigned char* base;
   __device__ explicit PrefillSm90Smem(unsigned char* raw)
@@ -144,12 +160,13 @@ struct PrefillSm90Smem {
   __device__ QTile q(int slot) const { return QTile{base + kQOffset + slot * QTile::kBytes}; }
   __device__ KVTile k(int stage) const { return KVTile{base + kKOffset + stage * KVTile::kBytes}; }
   __device__ KVTile v(int stage) const { return KVTile{base + kVOffset + stage * KVTile::kBytes}; }
-  // Column block b of consumer c's 64 rows of O as staged for the TMA store: its own tile, or
-  // (Config::kOSharesQ) its own rows of the Q tile in q_slot (rows 64 c of each column block:
-  // 8 KB steps, whole 1024-byte swizzle atoms, so the same swizzle and box).
-  __device__ unsigned char* o_block(int consumer, int q_slot, int b) const {
+  // Column block b of consumer c's 64 rows of O as staged for the TMA store: in the O tiles, or in
+  // its own rows of the Q tile in q_slot (Config::kOSharesQ: rows 64 c of each column block), or
+  // in V stage v_stage (Config::kOSharesV). 1024-byte aligned 8 KB blocks: the same swizzle and box.
+  __device__ unsigned char* o_block(int consumer, int q_slot, int v_stage, int b) const {
     if constexpr (Config::kOSharesQ) return q(q_slot).block(b) + consumer * 64 * 128;
-    else return base + kOOffset + consumer * OTile::kBytes + b * OTile::kBlockBytes;
+    unsigned char* tiles = Config::kOSharesV ? base + kVOffset + v_stage * KVTile::kBytes : base + kOOffset;
+    return tiles + consumer * OTile::kBytes + b * OTile::kBlockBytes;
   }
   __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
 };

@@ -125,25 +125,54 @@ struct PrefillConsumer {
     if constexpr (!Config::kOSharesQ) release(smem.barriers().q_empty[q_slot]);
   }
 
+  // O staged in a V stage (Config::kOSharesV): consumer c writes its O into the stage that follows
+  // the work tile's last (`o_stage`: the V of the tile kStages - 1 before the last was there) once
+  // every other consumer has read that V (they arrive on named barrier kOStageBarrier + c; c
+  // syncs), and its leader arrives on o_read once the stores have read the stage (the producer's
+  // next first V waits for it). Each consumer arrives and syncs once per work tile with KV tiles,
+  // whichever way its O leaves; an arrival comes after its P V of a V tile of this work tile, so
+  // after the producer saw the last work tile's o_read: no consumer arrives twice before a sync.
+  __device__ void o_stage_read() const {
+    if constexpr (Config::kOSharesV) {
+      for (int c = 0; c < Config::kConsumers; ++c)
+        if (c != consumer) named_barrier_arrive(kOStageBarrier + c, 128 * Config::kConsumers);
+    }
+  }
+  __device__ void wait_o_stage_read() const {
+    if constexpr (Config::kOSharesV) named_barrier_sync(kOStageBarrier + consumer, 128 * Config::kConsumers);
+  }
+  __device__ void o_stage_released() const {
+    if constexpr (Config::kOSharesV) smem.barriers().o_read.arrive_if(threadIdx.x % 128 == 0);
+  }
+  // The buffer O shares, where O left without it (registers, partials) after a tile with KV tiles.
+  __device__ void release_o_buffer(bool has_kv) const {
+    if (!has_kv) return;
+    if constexpr (Config::kOSharesQ) release(smem.barriers().q_empty[q_slot]);
+    o_stage_released();
+  }
+
   // O / l and LSE for this warp's rows of the request (rows past the request's are not written).
-  // q_taken: the tile had KV tiles, so its Q was loaded and (kOSharesQ) is released here.
-  __device__ void epilogue(OTile& o, const OnlineSoftmax& softmax, const WorkTile& w, bool q_taken) const {
+  // has_kv: the tile had KV tiles (kOSharesQ: its Q was loaded and is released here; kOSharesV: its
+  // O may be staged in V stage o_stage).
+  __device__ void epilogue(OTile& o, const OnlineSoftmax& softmax, const WorkTile& w, bool has_kv, int o_stage) const {
     float inv_sum[2], lse[2];
     softmax.finish(inv_sum, lse);
     mul_row(o, inv_sum);
     const int g = lane / 4, t = lane % 4;
     const int first_row = w.m0 + 64 * consumer;
+    if (has_kv) wait_o_stage_read();
     if (Scheduler::writes_partials(p)) {
       store_partial_state(o, lse, w, first_row);
-      if (Config::kOSharesQ && q_taken) release(smem.barriers().q_empty[q_slot]);
+      release_o_buffer(has_kv);
       return;
     }
     bool via_smem = false;
-    // (O in Q's buffer: only a buffer this tile holds; a tile without KV tiles loaded no Q.)
+    // (A shared buffer only after a tile with KV tiles: without, no Q was loaded, and the producer
+    // may be filling the V stage.)
     if constexpr (Config::kStoreOViaSmem)
-      via_smem = p.o_via_tma && first_row + 64 <= w.rows() && (!Config::kOSharesQ || q_taken);
-    if (via_smem) store_o_via_smem(o, w, first_row);
-    else if (Config::kOSharesQ && q_taken) release(smem.barriers().q_empty[q_slot]);
+      via_smem = p.o_via_tma && first_row + 64 <= w.rows() && (!Config::kOSharesBuffer || has_kv);
+    if (via_smem) store_o_via_smem(o, w, first_row, o_stage);
+    else release_o_buffer(has_kv);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = first_row + 16 * warp + g + 8 * r;
@@ -183,10 +212,12 @@ struct PrefillConsumer {
   // 128-byte swizzle of the map: 16-byte chunk (col / 8) ^ (row % 8), so a warp's 4-byte writes
   // hit 32 banks), then one thread stores the tile's 64-column blocks with TMA, which run on while
   // the consumer starts its next work tile. The previous tile's stores must have left the buffer.
-  // O in Q's buffer (Config::kOSharesQ): the leader waits for its stores to have read the rows,
-  // then releases Q for the four warps (the barrier before the stores saw all four past their S).
+  // O in a shared buffer: the leader waits for its stores to have read it, then releases Q for the
+  // four warps (kOSharesQ: the barrier before the stores saw all four past their S) or arrives on
+  // o_read (kOSharesV).
   static constexpr int kStoreBarrier = kTurnBarrier + Config::kConsumers;  // + consumer
-  __device__ void store_o_via_smem(const OTile& o, const WorkTile& w, int first_row) const {
+  static constexpr int kOStageBarrier = kStoreBarrier + Config::kConsumers;  // + consumer (kOSharesV)
+  __device__ void store_o_via_smem(const OTile& o, const WorkTile& w, int first_row, int o_stage) const {
     const bool leader = threadIdx.x % 128 == 0;
     bulk_wait_read_if<0>(leader);
     named_barrier_sync(kStoreBarrier + consumer, 128);
@@ -196,7 +227,7 @@ struct PrefillConsumer {
       const int row = 16 * warp + g + 8 * r;  // row % 8 == g
 #pragma unroll
       for (int j = 0; j < OTile::kBlocks; ++j) {
-        unsigned char* chunk = smem.o_block(consumer, q_slot, j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
+        unsigned char* chunk = smem.o_block(consumer, q_slot, o_stage, j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
         *reinterpret_cast<uint32_t*>(chunk) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
       }
     }
@@ -204,12 +235,15 @@ struct PrefillConsumer {
     named_barrier_sync(kStoreBarrier + consumer, 128);
 #pragma unroll
     for (int b = 0; b < kHeadDim / 64; ++b)
-      tma_store_3d_if(leader, &p.o_map, smem.o_block(consumer, q_slot, b), 64 * b, w.head,
+      tma_store_3d_if(leader, &p.o_map, smem.o_block(consumer, q_slot, o_stage, b), 64 * b, w.head,
                       w.q_start + w.token(first_row));
     bulk_commit_if(leader);
     if constexpr (Config::kOSharesQ) {
       bulk_wait_read_if<0>(leader);
       smem.barriers().q_empty[q_slot].arrive_if(leader, 4);
+    } else if constexpr (Config::kOSharesV) {
+      bulk_wait_read_if<0>(leader);
+      o_stage_released();
     }
   }
 
@@ -272,6 +306,7 @@ struct PrefillConsumer {
         fence_registers(o);
         fence_registers(pf);
         release(bar.v_empty[prev.stage]);
+        if (i == tiles - Config::kStages + 1) o_stage_read();
         if (rescale_o) mul_row(o, rescale);
         convert(s, pf);
         prev = ring;
@@ -288,8 +323,9 @@ struct PrefillConsumer {
       wgmma_wait<0>();
       fence_registers(o);
       release(bar.v_empty[prev.stage]);
+      if (tiles < Config::kStages) o_stage_read();
     }
-    epilogue(o, softmax, w, tiles > 0);
+    epilogue(o, softmax, w, tiles > 0, ring.stage);  // (ring: the stage after the tile's last)
   }
 };
 

@@ -11,6 +11,10 @@
 // waits on it), and the consumers take a partial tile's V only after its `v_zeroed` barrier (the
 // gathered source's copies write zeros there: KV::kZeroesPastEnd). K needs nothing: masked
 // logits are overwritten.
+//
+// With O staged in a V stage (Config::kOSharesV) a work tile's first V goes into the stage the
+// previous work tile's O stores read from, so it waits for them (o_read) after the tile's Q and
+// first K have gone out.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +38,10 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
   auto& bar = smem.barriers();
   RingPosition<Config::kStages> ring;
   RingPosition<Config::kQStages> q_ring;
+  // Config::kOSharesV: whether a work tile with KV tiles went before (its O is staged in the stage
+  // this one's first V fills), and the parity of o_read's phase that says its stores read it.
+  bool o_staged = false;
+  uint32_t o_read_phase = 0;
 
   if (thread == 0) {
     prefetch_tensor_map(&p.q_map);
@@ -83,6 +91,10 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
       bar.k_empty[s].wait(ring.phase ^ 1);
       KV::template load<KVOperand::kKeys>(p, smem.k(s), bar.k_full[s], w.kv_head, where, thread);
       bar.v_empty[s].wait(ring.phase ^ 1);
+      if (Config::kOSharesV && o_staged && tile == w.end_kv_tile - 1) {
+        bar.o_read.wait(o_read_phase);
+        o_read_phase ^= 1;
+      }
       KV::template load<KVOperand::kValues>(p, smem.v(s), bar.v_full[s], w.kv_head, where, thread);
       // The next tile's lookups go out now; the waits below and at the loop's top hide them.
       if (tile > w.first_kv_tile) where = KV::locate(p, w.kv_start, w.kv_len, n0 - kBlockN, thread);
@@ -92,6 +104,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
       ring.advance();
     }
     zero_pending();
+    o_staged = true;
   }
 }
 

@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
       bar.v_empty[s].init(kConsumerWarps);
       bar.v_zeroed[s].init(1);
     }
+    if constexpr (Config::kOSharesV) bar.o_read.init(Config::kConsumers);
     Mbarrier::fence_init();
   }
   __syncthreads();
