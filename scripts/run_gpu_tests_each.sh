@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a GPU: each GPU test of a filter in its own process under a timeout, so a test
-# that hangs is named (with the last case it started: TESSERA_TEST_PROGRESS=1 in the prefill
-# tests) and the others still run.
+# that hangs is named (with the last step it started, timestamped: TESSERA_TEST_PROGRESS=1 in the
+# prefill tests) and the others still run.
 #   scripts/run_gpu_tests_each.sh OUTDIR [FILTER] [SECONDS_PER_TEST] [TESTS_BINARY]
 # FILTER: a gtest filter (default GpuPrefill*); SECONDS_PER_TEST: default 300; TESTS_BINARY:
 # default build/tests/tessera_tests. Writes OUTDIR/tests.txt (name, PASS / SKIP / FAIL / TIMEOUT,
@@ -26,6 +26,6 @@ for name in $names; do
   [ $rc -ne 0 ] && result=FAIL
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && result=TIMEOUT
   printf '%-72s %-8s %8d ms\n' "$name" "$result" "$ms" | tee -a "$out/tests.txt"
-  if [ $result = PASS ] || [ $result = SKIP ]; then rm -f "$log"; else status=1; grep '^run:' "$log" | tail -1; fi
+  if [ $result = PASS ] || [ $result = SKIP ]; then rm -f "$log"; else status=1; grep -E '^ *[0-9.]+ s (run|reference)' "$log" | tail -1; fi
 done
 exit $status

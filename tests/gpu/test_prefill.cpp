@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 
@@ -38,9 +39,9 @@ struct PrefillCase {
   // Hopper family: each packed-GQA mode in turn (empty: the dispatcher's), every run bitwise equal
   // to the first (a row's arithmetic does not depend on the rows that share its tile).
   std::vector<dispatch::GqaPack> gqa_packs;
-  // Hopper family: keys per K / V tile forced (dispatch::force_prefill_sm90_block_n; 0: the
-  // dispatcher's choice).
-  int block_n = 0;
+  // Hopper family: each of these K / V tile widths forced in turn (dispatch::
+  // force_prefill_sm90_block_n; empty: the dispatcher's choice). One reference serves them all.
+  std::vector<int> block_ns;
 };
 
 std::string describe(const PrefillCase& c) {
@@ -154,6 +155,16 @@ void run_case(const PrefillCase& c, uint32_t seed) {
   rp.soft_cap = c.soft_cap;
   ref::RaggedKV kv(k.dense.data(), v.dense.data(), kv_indptr, c.num_kv_heads, c.head_dim);
   std::vector<double> o_ref, lse_ref, o_naive, lse_naive;
+  // TESSERA_TEST_PROGRESS=1: what the test is doing, timestamped, before each step that can take
+  // long (the CPU references of the largest cases take a minute; a kernel that never returns
+  // leaves its run as the last line).
+  const bool progress = std::getenv("TESSERA_TEST_PROGRESS") != nullptr;
+  const auto progress_line = [&](const std::string& what) {
+    static const auto start = std::chrono::steady_clock::now();
+    const std::chrono::duration<double> since = std::chrono::steady_clock::now() - start;
+    if (progress) std::fprintf(stderr, "%7.1f s %s: %s\n", since.count(), what.c_str(), describe(c).c_str());
+  };
+  progress_line("reference");
   ref::attention(q.dense.data(), qo_indptr, kv, rp, o_ref, lse_ref);
   ref::attention_naive_lowp(q.dense.data(), qo_indptr, kv, rp, c.dtype == DType::kBF16 ? 7 : 10,
                             o_naive, lse_naive);
@@ -168,6 +179,7 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     AttentionPath path;
     const kernels::sm90::PrefillSm90Schedule* schedule;
     dispatch::GqaPack pack;
+    int block_n;  // 0: the dispatcher's
   };
   std::vector<Run> runs;
   for (AttentionPath path : paths_to_test(c.path, c.dtype, c.head_dim)) {
@@ -179,12 +191,14 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     }
     const std::vector<dispatch::GqaPack> packs =
         hopper && !c.gqa_packs.empty() ? c.gqa_packs : std::vector<dispatch::GqaPack>{dispatch::GqaPack::kAuto};
-    for (const auto* s : schedules)
-      for (dispatch::GqaPack pack : packs) runs.push_back({path, s, pack});
+    const std::vector<int> widths = hopper && !c.block_ns.empty() ? c.block_ns : std::vector<int>{0};
+    for (int block_n : widths)
+      for (const auto* s : schedules)
+        for (dispatch::GqaPack pack : packs) runs.push_back({path, s, pack, block_n});
   }
-  dispatch::force_prefill_sm90_block_n(c.block_n);
-  std::vector<uint16_t> first_packed_o;  // of the first run with gqa_packs
+  std::vector<uint16_t> first_packed_o;  // of the width's first run with gqa_packs
   std::vector<float> first_packed_lse;
+  int packed_width = -1;
   for (const Run& run : runs) {
     const AttentionPath path = run.path;
     std::string trace = std::string("path ") + attention_path_name(path);
@@ -192,13 +206,12 @@ void run_case(const PrefillCase& c, uint32_t seed) {
       trace += " scheduler " + std::to_string(int(run.schedule->scheduler)) + " order " +
                std::to_string(int(run.schedule->order)) + " heavy_first " + std::to_string(run.schedule->heavy_first);
     }
-    if (c.block_n != 0) trace += " kv tile " + std::to_string(c.block_n);
+    if (run.block_n != 0) trace += " kv tile " + std::to_string(run.block_n);
     if (run.pack == dispatch::GqaPack::kAlways) trace += " gqa packed";
     if (run.pack == dispatch::GqaPack::kNever) trace += " gqa unpacked";
     SCOPED_TRACE(trace);
-    // TESSERA_TEST_PROGRESS=1: each run named before it starts (a kernel that never returns
-    // leaves its case as the last line).
-    if (std::getenv("TESSERA_TEST_PROGRESS") != nullptr) std::fprintf(stderr, "run: %s, %s\n", describe(c).c_str(), trace.c_str());
+    progress_line("run " + trace);
+    dispatch::force_prefill_sm90_block_n(run.block_n);
     dispatch::force_prefill_sm90_schedule(run.schedule);
     dispatch::force_prefill_gqa_pack(run.pack);
     a.path = path;
@@ -224,7 +237,8 @@ void run_case(const PrefillCase& c, uint32_t seed) {
     const auto lse_again = lse.download<float>(size_t(total_q * c.num_qo_heads));
     EXPECT_EQ(std::memcmp(lse_again.data(), lse_got.data(), lse_got.size() * 4), 0) << "second run differs (lse)";
     if (run.pack != dispatch::GqaPack::kAuto) {
-      if (first_packed_o.empty()) {
+      if (run.block_n != packed_width) {  // (tile widths sum in other orders: compared per width)
+        packed_width = run.block_n;
         first_packed_o = o_bits;
         first_packed_lse = lse_got;
       } else {
@@ -572,83 +586,90 @@ TEST(GpuPrefillHopper, WideKvTiles) {
   if (!why.empty()) GTEST_SKIP() << why;
   const auto choices = kernels::sm90::prefill_sm90_block_n_choices(128);
   ASSERT_GT(choices.count, 1);
-  for (int w = 1; w < choices.count; ++w) {
-    const int keys = choices.keys[w];
-    SCOPED_TRACE("kv tile " + std::to_string(keys));
-    uint32_t seed = 900;
-    const auto hopper_case = [keys] {  // hd128 bf16 on the Hopper family with this tile width
-      PrefillCase x;
-      x.head_dim = 128;
-      x.block_n = keys;
-      x.path = AttentionPath::kHopper;
-      return x;
-    };
-    PrefillCase c = hopper_case();
-    c.num_qo_heads = 4;
-    c.num_kv_heads = 1;
-    c.schedules = every_hopper_schedule();
-    c.qo_len = {1, 7, 577, 1000, 300, 0, 129, 97, 2100, 200, 64};
-    c.kv_len = {7, keys - 1, 577, 1200, 2100, 9, keys, 54, 2100, 0, 2 * keys + 1};
-    c.causal = true;
-    run_case(c, seed++);
-    c.causal = false;
-    c.window_left = 100;
-    run_case(c, seed++);
-    c.window_left = -1;
-    c.soft_cap = 30.f;
-    run_case(c, seed++);
-    // Several work tiles a CTA of the persistent schedules (480 tiles): many KV tiles, one, and
-    // none after one another, so each CTA hands O's staging stage on from tile to tile.
-    c.num_qo_heads = 16;
-    c.soft_cap = 0.f;
-    c.qo_len = {1000, 1, 450, 0, 2100, 60};
-    c.kv_len = {1000, keys + 1, 1200, 50, 2100, 0};
-    run_case(c, seed++);
+  // Every wide width of the build on each case (one CPU reference for all of them: the references
+  // of the 16385-row cases take most of the test's time), with KV lengths at each width's edges.
+  const std::vector<int> widths(choices.keys + 1, choices.keys + choices.count);
+  uint32_t seed = 900;
+  const auto hopper_case = [&] {  // hd128 bf16 on the Hopper family, each wide width
+    PrefillCase x;
+    x.head_dim = 128;
+    x.block_ns = widths;
+    x.path = AttentionPath::kHopper;
+    return x;
+  };
+  PrefillCase c = hopper_case();
+  c.num_qo_heads = 4;
+  c.num_kv_heads = 1;
+  c.schedules = every_hopper_schedule();
+  c.qo_len = {1, 577, 1000, 300, 0, 97, 2100, 200};
+  c.kv_len = {7, 577, 1200, 2100, 9, 54, 2100, 0};
+  for (int keys : widths) {
+    c.qo_len.insert(c.qo_len.end(), {7, 129, 64});
+    c.kv_len.insert(c.kv_len.end(), {keys - 1, keys, 2 * keys + 1});
+  }
+  c.causal = true;
+  run_case(c, seed++);
+  c.causal = false;
+  c.window_left = 100;
+  run_case(c, seed++);
+  c.window_left = -1;
+  c.soft_cap = 30.f;
+  run_case(c, seed++);
+  // Several work tiles a CTA of the persistent schedules (~230): many KV tiles, one, and none
+  // after one another, so each CTA hands its buffers on from tile to tile.
+  c.num_qo_heads = 8;
+  c.soft_cap = 0.f;
+  c.qo_len = {1000, 450, 0, 2100, 60};
+  c.kv_len = {1000, 1200, 50, 2100, 0};
+  for (int keys : widths) {
+    c.qo_len.push_back(1);
+    c.kv_len.push_back(keys + 1);
+  }
+  run_case(c, seed++);
 
-    PrefillCase l = hopper_case();
-    l.num_qo_heads = 1;
-    l.num_kv_heads = 1;
-    l.qo_len = {16385};
-    l.kv_len = {16385};
-    l.causal = true;
+  PrefillCase l = hopper_case();
+  l.num_qo_heads = 1;
+  l.num_kv_heads = 1;
+  l.qo_len = {16385};
+  l.kv_len = {16385};
+  l.causal = true;
+  run_case(l, seed++);
+  l.window_left = 300;  // (causal: non-causal windows are the first cases')
+  run_case(l, seed++);
+  l.window_left = -1;
+  l.causal = false;
+  l.qo_len = {333, 1};
+  l.kv_len = {4000, 1};
+  l.q_range = 24.f;
+  l.kv_range = 4.f;
+  run_case(l, seed++);
+  l.q_range = 2.f;
+  l.kv_range = 1.f;
+  l.num_qo_heads = 16;
+  l.pad = 40;
+  l.soft_cap = 20.f;
+  l.causal = true;
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    if (!dispatch::prefill_dtype_compiled(dt)) continue;
+    l.dtype = dt;
     run_case(l, seed++);
-    l.causal = false;
-    l.window_left = 300;
-    run_case(l, seed++);
-    l.window_left = -1;
-    l.qo_len = {333, 1};
-    l.kv_len = {4000, 1};
-    l.q_range = 24.f;
-    l.kv_range = 4.f;
-    run_case(l, seed++);
-    l.q_range = 2.f;
-    l.kv_range = 1.f;
-    l.num_qo_heads = 16;
-    l.pad = 40;
-    l.soft_cap = 20.f;
-    l.causal = true;
-    for (DType dt : {DType::kBF16, DType::kFP16}) {
-      if (!dispatch::prefill_dtype_compiled(dt)) continue;
-      l.dtype = dt;
-      run_case(l, seed++);
-    }
+  }
 
-    PrefillCase g = hopper_case();
-    g.gqa_packs = {dispatch::GqaPack::kNever, dispatch::GqaPack::kAlways};
-    for (auto [qh, kh] : {std::pair{4, 2}, {32, 2}, {64, 1}}) {
-      g.num_qo_heads = qh;
-      g.num_kv_heads = kh;
-      g.qo_len = {1, 7, 97, 0, 300, 3, 257, 1};
-      g.kv_len = {1, 300, 54, 5, 700, 3, 257, 1500};
-      g.causal = true;
-      g.window_left = -1;
-      g.pad = 0;
-      run_case(g, seed++);
-      g.causal = false;
-      g.window_left = 150;
-      g.pad = 24;
-      run_case(g, seed++);
-    }
+  PrefillCase g = hopper_case();
+  g.gqa_packs = {dispatch::GqaPack::kNever, dispatch::GqaPack::kAlways};
+  for (auto [qh, kh] : {std::pair{4, 2}, {32, 2}, {64, 1}}) {
+    g.num_qo_heads = qh;
+    g.num_kv_heads = kh;
+    g.qo_len = {1, 7, 97, 0, 300, 3, 257, 1};
+    g.kv_len = {1, 300, 54, 5, 700, 3, 257, 1500};
+    g.causal = true;
+    g.window_left = -1;
+    g.pad = 0;
+    run_case(g, seed++);
+    g.causal = false;
+    g.window_left = 150;
+    g.pad = 24;
+    run_case(g, seed++);
   }
 }
 
