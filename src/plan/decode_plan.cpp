@@ -221,21 +221,30 @@ double DecodePlanner::merge_us(int64_t slots, int64_t rows, int32_t* groups) con
   return tree;
 }
 
-double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave) const {
+DecodePlanner::ItemCosts DecodePlanner::item_costs(int64_t tasks, const Wave& wave) const {
+  const int32_t heads = cap_.num_kv_heads;
+  const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;  // more heads than slots
+  // Tasks of full rounds stream at the full wave's share of the bandwidth, those of the last
+  // (partial) round at a larger share; items placed from item `last_round` on are in it.
+  const int64_t full_rounds = (tasks - 1) / wave.ctas;
+  ItemCosts costs;
+  costs.last_round = full_rounds * wave.ctas / heads;
+  costs.full_token = token_us(wave, wave.ctas) * rounds;
+  costs.last_token = token_us(wave, tasks - full_rounds * wave.ctas) * rounds;
+  costs.start = policy_.cost.task_start_us * rounds;
+  return costs;
+}
+
+double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave, int64_t tasks) const {
   // Items (a request's chunk for every KV head) on `machines` groups of num_kv_heads slots: the
   // heads of one item start together, so with slots a multiple of the heads, list scheduling of
   // tasks is list scheduling of items on slots / heads machines.
   const int32_t heads = cap_.num_kv_heads;
   const int32_t machines = std::max(1, wave.ctas / heads);
-  const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;  // more heads than slots
-  // Tasks of full rounds stream at the full wave's share of the bandwidth, those of the last
-  // (partial) round at a larger share; items placed from item `last_round` on are in it.
-  const int64_t tasks = split_count(chunk).items;
-  const int64_t full_rounds = (tasks - 1) / wave.ctas;
-  const int64_t last_round = full_rounds * wave.ctas / heads;
-  const double full_token = token_us(wave, wave.ctas) * rounds;
-  const double last_token = token_us(wave, tasks - full_rounds * wave.ctas) * rounds;
-  const double start = policy_.cost.task_start_us * rounds;
+  if (tasks < 0) tasks = split_count(chunk).items;
+  const ItemCosts costs = item_costs(tasks, wave);
+  const int64_t last_round = costs.last_round;
+  const double full_token = costs.full_token, last_token = costs.last_token, start = costs.start;
   const double small = (start + double(chunk) * last_token) / 4;  // cheaper items fill in as a fluid
   int64_t placed = 0;  // items so far
   // Wide waves (few KV heads: up to 264 machines on an H200) are estimated with machines in
@@ -399,10 +408,10 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
   int64_t memo_chunk[kMemo];
   double memo_us[kMemo];
   int memo_size = 0;
-  auto estimate = [&](int64_t chunk) {
+  auto estimate = [&](int64_t chunk, int64_t tasks) {
     for (int i = 0; i < memo_size; ++i)
       if (memo_chunk[i] == chunk) return memo_us[i];
-    const double m = makespan_us(chunk, wave);
+    const double m = makespan_us(chunk, wave, tasks);
     if (memo_size < kMemo) {
       memo_chunk[memo_size] = chunk;
       memo_us[memo_size++] = m;
@@ -422,7 +431,30 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
                  (double(num_with_query_ + extra) * heads * policy_.cost.task_start_us / wave.ctas +
                   double(len_total_) * heads * per_token_us / wave.ctas));
     if (bound >= best.makespan_us) return;
-    const double m = estimate(chunk);
+    // A second bound, on what the estimate itself computes: the longest request (the first in
+    // its launch order) is split, its first item costs `first` (it goes to an empty machine
+    // group, or to a batch that costs at least as much and ends no sooner), and its merge starts
+    // no sooner than that item ends, so the makespan is at least first + its merge (the same
+    // operations as in makespan_us on the same values, each monotone). A candidate whose bound
+    // fails the test below that its estimate would have to pass cannot become the best one, so
+    // skipping it decides the same (`first` is add()'s item cost expression, kept alike). At 1
+    // KV head the long request's merge is most of the makespan: b64_one_long_h1 makes 5
+    // estimates instead of 7, -12% of its plan's instructions (notes/decode_plan.md, 2026-12-06).
+    if (best.makespan_us < INFINITY && chunk < sorted_len_[0]) {
+      const ItemCosts costs = item_costs(count.items, wave);
+      const int64_t len = sorted_len_[0];
+      const int64_t piece = chunk_length(len, chunk);
+      int32_t merge_groups;
+      const double merge = merge_us((len + piece - 1) / piece, sorted_rows_[0], &merge_groups);
+      const double first =
+          costs.start + double(piece) * (costs.last_round > 0 ? costs.full_token : costs.last_token);
+      const double at_least = first + merge;
+      if (chunk > best.chunk ? at_least > best.makespan_us * kModelTolerance
+                             : at_least * kModelTolerance >= best.makespan_us) {
+        return;
+      }
+    }
+    const double m = estimate(chunk, count.items);
     // Within the model's error (kModelTolerance) the longer chunk wins: fewer tasks, partials
     // and merges.
     const bool better = chunk > best.chunk ? m <= best.makespan_us * kModelTolerance

@@ -289,9 +289,19 @@ class DecodePlanner {
   // When the merge of `slots` partials of `rows` rows ends after the last chunk, and the group
   // count of its two-level merge (1: one level).
   double merge_us(int64_t slots, int64_t rows, int32_t* groups) const;
+  // The costs of the estimate's items when the chunks give `tasks` tasks: items placed from item
+  // last_round on are in the last (partial) round and stream at last_token, the others at
+  // full_token; each also pays start. One function for makespan_us and choose_chunk's bound, so
+  // both compute the same values.
+  struct ItemCosts {
+    int64_t last_round;
+    double full_token, last_token, start;
+  };
+  ItemCosts item_costs(int64_t tasks, const Wave& wave) const;
   // The cost model's makespan of the list that `chunk` gives, on `wave` (list scheduling in
   // launch order over the slots; items under 1/8 of the chunk's cost fill the slots as a fluid).
-  double makespan_us(int64_t chunk, const Wave& wave) const;
+  // `tasks`: split_count(chunk).items where the caller has it (-1: counted here).
+  double makespan_us(int64_t chunk, const Wave& wave, int64_t tasks = -1) const;
   // The best chunk target for `wave` (see the file comment).
   Choice choose_chunk(const Wave& wave, int64_t longest) const;
 
