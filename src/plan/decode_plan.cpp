@@ -11,6 +11,14 @@
 
 #include "tessera/error.h"
 
+// The estimate's placement lambda is called once per split request; GCC stopped inlining it when
+// the heap's sift grew (+4% instructions), so it is forced.
+#if defined(__GNUC__) || defined(__clang__)
+#define TESSERA_PLAN_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define TESSERA_PLAN_ALWAYS_INLINE
+#endif
+
 namespace tessera::plan {
 namespace {
 
@@ -154,13 +162,16 @@ void DecodePlanner::write_image(void* image) const {
   std::memset(base + layout_.merge_counters, 0, plan_.merges.size() * sizeof(int32_t));
 }
 
-int64_t DecodePlanner::chunk_length(int64_t len, int64_t chunk) const {
+// chunk_length, split_count, token_us, merge_us and item_costs are inline (only this file calls
+// them): built -fPIC (libtessera is shared), GCC kept them as interposable calls, ~5% of
+// b64_one_long_h1's plan instructions.
+inline int64_t DecodePlanner::chunk_length(int64_t len, int64_t chunk) const {
   if (len <= chunk) return len;
   const int64_t n = (len + chunk - 1) / chunk;
   return std::min(chunk, ((len + n - 1) / n + granule_ - 1) / granule_ * granule_);
 }
 
-DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk, int64_t task_limit) const {
+inline DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk, int64_t task_limit) const {
   // Only the requests longer than the chunk (a prefix of the longest-first order) are split, into
   // ceil(len / chunk) chunks, which bounds the balanced count (chunk_length() can make one fewer)
   // at one 32-bit division per request (lengths and chunks are below 2^31). The per-head sum only
@@ -179,7 +190,7 @@ DecodePlanner::SplitCount DecodePlanner::split_count(int64_t chunk, int64_t task
   return count;
 }
 
-double DecodePlanner::token_us(const Wave& wave, int64_t concurrent) const {
+inline double DecodePlanner::token_us(const Wave& wave, int64_t concurrent) const {
   // `concurrent` CTAs spread over the SMs (the hardware fills every SM before doubling up): the
   // SMs holding the most of them set the round's end. Their CTAs get the bandwidth the others
   // leave (at their peak), shared, and at most an SM's share each: b9 x 8K in 3 chunks, 216 CTAs
@@ -204,7 +215,7 @@ double DecodePlanner::task_us(int64_t tokens, const Wave& wave) const {
   return policy_.cost.task_start_us + double(tokens) * token_us(wave, wave.ctas);
 }
 
-double DecodePlanner::merge_us(int64_t slots, int64_t rows, int32_t* groups) const {
+inline double DecodePlanner::merge_us(int64_t slots, int64_t rows, int32_t* groups) const {
   const CostModel& c = policy_.cost;
   const double row_us = (4.0 * cap_.head_dim + 4.0) / c.merge_bytes_per_us;  // fp32 O row + LSE
   const double fold = double(slots * rows) * row_us;
@@ -221,7 +232,7 @@ double DecodePlanner::merge_us(int64_t slots, int64_t rows, int32_t* groups) con
   return tree;
 }
 
-DecodePlanner::ItemCosts DecodePlanner::item_costs(int64_t tasks, const Wave& wave) const {
+inline DecodePlanner::ItemCosts DecodePlanner::item_costs(int64_t tasks, const Wave& wave) const {
   const int32_t heads = cap_.num_kv_heads;
   const double rounds = heads > wave.ctas ? double(heads) / wave.ctas : 1.0;  // more heads than slots
   // Tasks of full rounds stream at the full wave's share of the bandwidth, those of the last
@@ -267,11 +278,20 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave, int64_t tasks
       if (first >= groups) break;
       int32_t c = first;
       double least = h[first];  // the smallest child (the first of equal ones)
-      const int32_t last = std::min(first + 4, groups);
-      for (int32_t k = first + 1; k < last; ++k) {
-        const bool less = h[k] < least;
-        least = less ? h[k] : least;
-        c = less ? k : c;
+      if (first + 4 <= groups) {
+        // Four children (all but the last parent): a tournament of two pairs, each keeping its
+        // first of equal ones, then the first pair's on a tie: the same child as the scan below,
+        // without its loop (a third of the estimate's heap instructions).
+        const int32_t a = h[first + 1] < h[first] ? first + 1 : first;
+        const int32_t b = h[first + 3] < h[first + 2] ? first + 3 : first + 2;
+        c = h[b] < h[a] ? b : a;
+        least = h[c];
+      } else {
+        for (int32_t k = first + 1; k < groups; ++k) {
+          const bool less = h[k] < least;
+          least = less ? h[k] : least;
+          c = less ? k : c;
+        }
       }
       if (!(least < v)) break;
       h[i] = least;
@@ -307,7 +327,7 @@ double DecodePlanner::makespan_us(int64_t chunk, const Wave& wave, int64_t tasks
     batch_items = 0;
     batch_cost = 0;
   };
-  auto add = [&](int64_t count, int64_t tokens) {  // `count` items of `tokens` each
+  auto add = [&](int64_t count, int64_t tokens) TESSERA_PLAN_ALWAYS_INLINE {  // `count` items of `tokens` each
     while (count > 0) {
       // The items at one cost: up to the last round's start, or all of them.
       const bool last = placed >= last_round;
@@ -494,6 +514,19 @@ DecodePlanner::Choice DecodePlanner::choose_chunk(const Wave& wave, int64_t long
     const int64_t fit = int64_t(wave.ctas) * waves;
     if (unsplit_tasks > fit) break;
     int64_t a = lo / granule_, b = hi;
+    // Narrowed first, to the same answer: a list of chunk c has between len_total / c and
+    // with_query + len_total / c items a head (each request max(1, ceil(len / c)) of them), so
+    // every chunk below len_total / per_head fails and every one from len_total / (per_head -
+    // with_query) on fits; the count is monotone, so the search over what is left ends at the same
+    // b. b64_one_long_h1: ~31 split_count probes a plan -> ~9 (each a pass over the split
+    // requests), -3.7% of its instructions (notes/decode_plan.md, 2026-12-06).
+    const int64_t per_head = fit / heads;  // items * heads <= fit
+    const int64_t span = granule_ * per_head;
+    a = std::max(a, std::min(b, (len_total_ + span - 1) / span));
+    if (per_head > num_with_query_) {
+      const int64_t sure = granule_ * (per_head - num_with_query_);
+      b = std::max(a, std::min(b, (len_total_ + sure - 1) / sure));
+    }
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
       if (split_count(mid * granule_, fit).items <= fit) b = mid; else a = mid + 1;
@@ -664,13 +697,16 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   // The split requests are a prefix of the longest-first order: only they are re-sorted, then
   // merged with the unsplit rest, which is in order already.
   const std::vector<int64_t>* order = &keys_;
+  int64_t split_chunks = 0;  // chunks of the split requests (a bound on their slots below)
   if (any_split) {
     size_t split = 0;
     while (split < keys_.size() && kv_len_[keys_[split] & 0xffffffff] > chunk) ++split;
     emit_keys_.resize(keys_.size());
     for (size_t i = 0; i < split; ++i) {
       const int32_t r = static_cast<int32_t>(keys_[i] & 0xffffffff);
-      emit_keys_[i] = (int64_t(INT32_MAX) - chunk_length(kv_len_[r], chunk)) << 32 | r;
+      const int64_t piece = chunk_length(kv_len_[r], chunk);
+      emit_keys_[i] = (int64_t(INT32_MAX) - piece) << 32 | r;
+      split_chunks += (kv_len_[r] + piece - 1) / piece;
     }
     std::sort(emit_keys_.begin(), emit_keys_.begin() + split);
     std::merge(emit_keys_.begin(), emit_keys_.begin() + split, keys_.begin() + split, keys_.end(),
@@ -683,11 +719,19 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
                              ? reinterpret_cast<WorkItem*>(static_cast<unsigned char*>(image) + layout_.work)
                              : work_storage_.data();
   plan_.merges.clear();
-  plan_.slot_row_offset.assign(1, 0);
+  // Slot row offsets sized once for the split requests (n chunks take at most 2n slots a head: a
+  // two-level merge adds about sqrt(n) <= n / 2 group slots), cut to the slots used at the end:
+  // a resize per split request was ~3% of b64_one_long_h1's plan. Within the reserved capacity
+  // (the slots never exceed max_slots_); the loop still grows it should a request not fit.
+  int32_t num_slots = 0;
+  plan_.slot_row_offset.resize(1 + std::min<int64_t>(cap_.num_kv_heads * (split_chunks + split_chunks / 2), max_slots_));
+  plan_.slot_row_offset[0] = 0;
   plan_.chunk_tokens = 0;
   plan_.split_rows = 0;
   const int32_t heads = cap_.num_kv_heads;
   WorkItem* out = work;
+  int64_t merge_chunks = -1, merge_rows = -1;
+  int32_t groups = 1;  // of the last merge_us
   for (int32_t k = 0; k < batch; ++k) {
     const int32_t r = static_cast<int32_t>((*order)[k] & 0xffffffff);
     if (!has_query_[r]) continue;
@@ -706,9 +750,13 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
     const int32_t piece = static_cast<int32_t>(chunk_length(len, chunk));
     const int32_t chunks = (len + piece - 1) / piece;
     plan_.chunk_tokens = std::max(plan_.chunk_tokens, piece);
-    int32_t groups = 1;
-    (void)merge_us(chunks, rows, &groups);
-    const int32_t first_slot = plan_.num_slots();
+    // Consecutive split requests mostly share their chunk count and rows: one merge_us each.
+    if (chunks != merge_chunks || rows != merge_rows) {
+      merge_chunks = chunks;
+      merge_rows = rows;
+      (void)merge_us(chunks, rows, &groups);
+    }
+    const int32_t first_slot = num_slots;
     const int32_t first_merge = static_cast<int32_t>(plan_.merges.size());
     auto group_begin = [&](int32_t j) { return static_cast<int32_t>(int64_t(j) * chunks / groups); };
     // Locals, read once: the stores through `out` (WorkItem holds a RequestInfo) may alias them.
@@ -735,12 +783,14 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
       for (int32_t h = 0; h < heads; ++h) plan_.merges.push_back({r, h, group_slot + h * groups, groups, -1, -1});
     }
     const int32_t slots = heads * (chunks + (groups > 1 ? groups : 0));
-    const size_t at = plan_.slot_row_offset.size();
-    plan_.slot_row_offset.resize(at + slots);  // within the reserved capacity
+    const size_t at = size_t(num_slots) + 1;
+    num_slots += slots;
+    if (plan_.slot_row_offset.size() < size_t(num_slots) + 1) plan_.slot_row_offset.resize(size_t(num_slots) + 1);
     int64_t* offsets = plan_.slot_row_offset.data() + at;
     for (int32_t s = 0; s < slots; ++s) offsets[s] = offsets[s - 1] + rows;
     plan_.split_rows += heads;
   }
+  plan_.slot_row_offset.resize(size_t(num_slots) + 1);  // the slots used (shrinking writes nothing)
   plan_.work.data_ = work;
   plan_.work.size_ = static_cast<std::size_t>(out - work);
   plan_.num_tasks = static_cast<int32_t>(plan_.work.size()) * cap_.num_kv_heads;
