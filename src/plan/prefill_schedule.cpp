@@ -150,15 +150,27 @@ void assign_tiles(const std::vector<uint64_t>& order, int64_t heads, size_t slot
   res.makespan = slots > 0 ? double(sorted[slots - 1] >> load_shift) : 0.0;  // the most loaded slot
 }
 
+// The longest request's query rows and the requests' query tiles ((request, m_tile) pairs with
+// rows): the caller's, from its own pass over qo_indptr (plan()), or counted here.
+struct QueryCounts {
+  int max_qo;
+  int64_t tiles;
+};
+QueryCounts query_counts(const PrefillScheduleProblem& pr) {
+  if (pr.max_qo_len >= 0 && pr.query_tiles >= 0) return {static_cast<int>(pr.max_qo_len), pr.query_tiles};
+  QueryCounts counts{0, 0};
+  for (int64_t r = 0; r < pr.batch; ++r) {
+    const int qo = std::max(pr.qo_indptr[r + 1] - pr.qo_indptr[r], 0);
+    counts.max_qo = std::max(counts.max_qo, qo);
+    counts.tiles += query_tiles(qo, pr.block_m);
+  }
+  return counts;
+}
+
 }  // namespace
 
 int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
-  int64_t tiles = pr.query_tiles;
-  if (tiles < 0) {
-    tiles = 0;
-    for (int64_t r = 0; r < pr.batch; ++r) tiles += query_tiles(pr.qo_indptr[r + 1] - pr.qo_indptr[r], pr.block_m);
-  }
-  return tiles * pr.num_qo_heads * pr.kv_splits;
+  return query_counts(pr).tiles * pr.num_qo_heads * pr.kv_splits;
 }
 
 
@@ -172,17 +184,9 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
   const int32_t* const qo_indptr = pr.qo_indptr;
   const int block_m = pr.block_m, block_n = pr.block_n, splits = pr.kv_splits, window_left = pr.window_left;
   const bool causal = pr.causal;
-  int max_qo = static_cast<int>(pr.max_qo_len);
-  int64_t m_pairs = pr.query_tiles;  // (request, m_tile) pairs with rows
-  if (max_qo < 0 || m_pairs < 0) {
-    max_qo = 0;
-    m_pairs = 0;
-    for (int64_t r = 0; r < batch; ++r) {
-      const int qo = std::max(qo_indptr[r + 1] - qo_indptr[r], 0);
-      max_qo = std::max(max_qo, qo);
-      m_pairs += query_tiles(qo, block_m);
-    }
-  }
+  const QueryCounts counts = query_counts(pr);
+  const int max_qo = counts.max_qo;
+  const int64_t m_pairs = counts.tiles;  // (request, m_tile) pairs with rows
   const int64_t m_tiles = (int64_t(max_qo) + block_m - 1) / block_m;
   const int64_t heads = pr.num_qo_heads, head_stride = m_tiles * splits;
   std::vector<uint64_t>& groups = scratch.groups;

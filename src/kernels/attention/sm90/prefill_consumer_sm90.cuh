@@ -238,12 +238,10 @@ struct PrefillConsumer {
       tma_store_3d_if(leader, &p.o_map, smem.o_block(consumer, q_slot, o_stage, b), 64 * b, w.head,
                       w.q_start + w.token(first_row));
     bulk_commit_if(leader);
-    if constexpr (Config::kOSharesQ) {
+    if constexpr (Config::kOSharesBuffer) {
       bulk_wait_read_if<0>(leader);
-      smem.barriers().q_empty[q_slot].arrive_if(leader, 4);
-    } else if constexpr (Config::kOSharesV) {
-      bulk_wait_read_if<0>(leader);
-      o_stage_released();
+      if constexpr (Config::kOSharesQ) smem.barriers().q_empty[q_slot].arrive_if(leader, 4);
+      else o_stage_released();
     }
   }
 
