@@ -332,8 +332,9 @@ std::atomic<int> g_forced_kv_splits{0};
 std::atomic<GqaPack> g_gqa_pack{GqaPack::kAuto};
 std::atomic<int> g_forced_block_n{0};
 // Keys a query row sees, weighted by work (PrefillParams::work_weighted_row_keys), from which hd128
-// takes 192-key tiles: between 4K non-causal (4096: 0.98x) and 8K causal (5461: 1.02x).
-constexpr int64_t kWideKvTileMinKeys = 5000;
+// takes 192-key tiles: with O staged in a V stage, between 2K non-causal (2048: 1.00x) and 4K
+// causal (2731: 1.01x).
+constexpr int64_t kWideKvTileMinKeys = 2400;
 constexpr int kWideKvTileKeys = 192;
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::PrefillParams& p, int head_dim,
                                                              int num_sms);
@@ -424,10 +425,10 @@ int choose_prefill_sm90_block_n(const kernels::PrefillParams& p, int head_dim, i
   }
   // hd128's 192-key tiles (ragged K / V): a tile's fixed work spread over 1.5x the keys, which
   // pays only where a query tile walks many KV tiles; below, the wider tile's longer first S and
-  // last P V per work tile cost more than it saves. Same run, H100, 192 / 128 keys (notes/
-  // prefill_hopper.md, "192-key tiles"; work-weighted keys a row in brackets): 2K 0.97 (2048),
-  // 2K causal 0.95 (1365), 4K 0.98 (4096), 4K causal 0.99 (2731), 8K 1.01 (8192), 8K causal
-  // 1.02 (5461), 16K 1.03, 16K causal 1.03, GQA 8 8K 1.03, GQA 8 16K causal 1.06.
+  // last P V per work tile cost more than it saves. Same run, H200, 192 (O in a V stage) / 128
+  // keys (notes/prefill_hopper.md v11; work-weighted keys a row in brackets): 1K 0.92 (1024), 1K
+  // causal 0.88 (683), 2K 1.00 (2048), 4K 1.01, 4K causal 1.01 (2731), 8K 1.03, 8K causal 1.03
+  // (5461), 16K 1.04, GQA 4 16K causal 1.05, GQA 8 8K 1.03.
   bool wide_built = false;
   for (int i = 1; i < choices.count; ++i) wide_built |= choices.keys[i] == kWideKvTileKeys;
   const bool wide_fits = wide_built && !p.paged &&

@@ -2,11 +2,15 @@
 #include "reference/attention_ref.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace tessera::ref {
 namespace {
@@ -31,9 +35,13 @@ void check_indptr(const std::vector<int32_t>& indptr, const char* name) {
   }
 }
 
-// Sizes out (zeros) and lse (-inf), then calls body(request, row i within the request, qo_len,
-// kv_len, kv_head, q vector, out vector, lse slot) for every (query row, query head) of the batch.
-template <typename Body>
+// Sizes out (zeros) and lse (-inf), then calls body(scratch, request, row i within the request,
+// qo_len, kv_len, kv_head, q vector, out vector, lse slot) for every (query row, query head) of
+// the batch. Rows are independent and each writes only its own slots, so they run on every
+// hardware thread (a Scratch each, blocks of rows taken in turn from a shared counter): the
+// result does not depend on the thread count. The GPU tests' largest references (~10^9 visible
+// (row, key) pairs) took minutes on one thread.
+template <typename Scratch, typename Body>
 void for_each_row(const float* q, const std::vector<int32_t>& qo_indptr, const KVSource& kv,
                   const AttentionParams& p, std::vector<double>& out, std::vector<double>& lse,
                   Body body) {
@@ -45,18 +53,50 @@ void for_each_row(const float* q, const std::vector<int32_t>& qo_indptr, const K
   const int group = p.num_qo_heads / p.num_kv_heads;
   out.assign(static_cast<size_t>(total_q) * p.num_qo_heads * p.head_dim, 0.0);
   lse.assign(static_cast<size_t>(total_q) * p.num_qo_heads, kNegInf);
+  // The request of each row, for rows handed out by index.
+  std::vector<int> request_of_row(static_cast<size_t>(total_q));
   for (int r = 0; r < batch; ++r) {
-    const int64_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
-    const int64_t kv_len = kv.kv_len(r);
-    for (int64_t i = 0; i < qo_len; ++i) {
-      const int64_t row = qo_indptr[r] + i;
-      for (int h = 0; h < p.num_qo_heads; ++h) {
-        const int64_t slot = row * p.num_qo_heads + h;
-        body(r, i, qo_len, kv_len, h / group, q + slot * p.head_dim,
-             out.data() + slot * p.head_dim, &lse[slot]);
+    std::fill(request_of_row.begin() + qo_indptr[r], request_of_row.begin() + qo_indptr[r + 1], r);
+  }
+  constexpr int64_t kRowsPerBlock = 16;
+  std::atomic<int64_t> next_row{0};
+  std::mutex failure_mutex;
+  std::exception_ptr failure;  // the first exception a row threw (a KV source's own check)
+  auto rows = [&] {
+    Scratch scratch;
+    for (int64_t first = next_row.fetch_add(kRowsPerBlock); first < total_q;
+         first = next_row.fetch_add(kRowsPerBlock)) {
+      const int64_t last = std::min(total_q, first + kRowsPerBlock);
+      for (int64_t row = first; row < last; ++row) {
+        const int r = request_of_row[static_cast<size_t>(row)];
+        const int64_t qo_len = qo_indptr[r + 1] - qo_indptr[r];
+        const int64_t kv_len = kv.kv_len(r);
+        for (int h = 0; h < p.num_qo_heads; ++h) {
+          const int64_t slot = row * p.num_qo_heads + h;
+          body(scratch, r, row - qo_indptr[r], qo_len, kv_len, h / group, q + slot * p.head_dim,
+               out.data() + slot * p.head_dim, &lse[slot]);
+        }
       }
     }
-  }
+  };
+  auto worker = [&] {
+    try {
+      rows();
+    } catch (...) {
+      next_row = total_q;  // the others stop after their current block
+      std::lock_guard<std::mutex> lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
+    }
+  };
+  // A thread per hardware thread, but none for less than a block of rows each.
+  const int64_t useful = (total_q + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), useful)));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace
@@ -150,9 +190,8 @@ void attention(const float* q, const std::vector<int32_t>& qo_indptr, const KVSo
                const AttentionParams& params, std::vector<double>& out, std::vector<double>& lse) {
   const int d = params.head_dim;
   const double scale = params.effective_scale();
-  std::vector<double> logits;
-  for_each_row(q, qo_indptr, kv, params, out, lse,
-               [&](int r, int64_t i, int64_t qo_len, int64_t kv_len, int kv_head, const float* qv,
+  for_each_row<std::vector<double>>(q, qo_indptr, kv, params, out, lse,
+               [&](std::vector<double>& logits, int r, int64_t i, int64_t qo_len, int64_t kv_len, int kv_head, const float* qv,
                    double* o, double* s_out) {
     // Scaled (then soft-capped) logits of the visible keys; masked keys are -inf.
     logits.assign(static_cast<size_t>(kv_len), kNegInf);
@@ -206,10 +245,15 @@ void attention_naive_lowp(const float* q, const std::vector<int32_t>& qo_indptr,
   const float scale = static_cast<float>(params.effective_scale());
   const float cap = static_cast<float>(params.soft_cap);
   constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
-  std::vector<float> scores, acc(static_cast<size_t>(d));
-  for_each_row(q, qo_indptr, kv, params, out, lse,
-               [&](int r, int64_t i, int64_t qo_len, int64_t kv_len, int kv_head, const float* qv,
+  struct Scratch {
+    std::vector<float> scores, acc;
+  };
+  for_each_row<Scratch>(q, qo_indptr, kv, params, out, lse,
+               [&](Scratch& scratch, int r, int64_t i, int64_t qo_len, int64_t kv_len, int kv_head, const float* qv,
                    double* o, double* s_out) {
+    std::vector<float>& scores = scratch.scores;
+    std::vector<float>& acc = scratch.acc;
+    acc.resize(static_cast<size_t>(d));
     // S = scale * Q K^T in fp32 (optionally soft-capped in fp32).
     scores.assign(static_cast<size_t>(kv_len), kNegInfF);
     float m = kNegInfF;

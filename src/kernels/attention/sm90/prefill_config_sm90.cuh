@@ -45,9 +45,10 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_O_VIA_SMEM
 #define TESSERA_SM90_O_VIA_SMEM 1
 #endif
-// Where O shares a buffer (the 192-key hd128 tile): 0 stages it in Q's buffer, 1 in a V stage.
+// Where O shares a buffer (the 192-key hd128 tile): 1 (the default) stages it in a V stage, 0 in
+// Q's buffer.
 #ifndef TESSERA_SM90_O_IN_V
-#define TESSERA_SM90_O_IN_V 0
+#define TESSERA_SM90_O_IN_V 1
 #endif
 // TESSERA_SM90_LAZY_RESCALE sets the conditional O rescale of every head dim (default: hd256 only).
 #ifndef TESSERA_SM90_LAZY_RESCALE
@@ -92,15 +93,14 @@ struct PrefillSm90Config {
   static constexpr bool kStoreOViaSmem = kHeadDim != 256 && TESSERA_SM90_O_VIA_SMEM != 0;
   // Where the O tiles would not fit beside Q and the K / V ring (the 192-key hd128 tile: Q 32 KB +
   // 2 x 2 x 48 KB), O is staged in a buffer it shares:
-  // - kOSharesQ (the default): each consumer writes its O into its own 64 rows of the Q tile,
-  //   which only its own S = Q K^T read; the producer loads the next tile's Q once those stores
-  //   have read them (q_empty: PrefillConsumer::epilogue), so the next Q load waits for both O
-  //   stores at every work tile boundary;
-  // - kOSharesV (TESSERA_SM90_O_IN_V=1, FA3's way): the consumers stage O in the V stage that the
-  //   next work tile's first V tile will fill; the producer loads that tile's Q and first K at once
-  //   and waits for the O stores to have read the stage (o_read) only before its first V. Same run
-  //   on the H200: +1 to +3% over kOSharesQ from 2K (notes/prefill_hopper.md v11); off until its
-  //   GPU tests have passed.
+  // - kOSharesV (the default, FA3's way): the consumers stage O in the V stage that the next work
+  //   tile's first V tile will fill; the producer loads that tile's Q and first K at once and
+  //   waits for the O stores to have read the stage (o_read) only before its first V. Same run on
+  //   the H200: +1 to +3% over kOSharesQ from 2K (notes/prefill_hopper.md v11);
+  // - kOSharesQ (TESSERA_SM90_O_IN_V=0): each consumer writes its O into its own 64 rows of the Q
+  //   tile, which only its own S = Q K^T read; the producer loads the next tile's Q once those
+  //   stores have read them (q_empty: PrefillConsumer::epilogue), so the next Q load waits for
+  //   both O stores at every work tile boundary.
   static constexpr bool kOSharesBuffer = kStoreOViaSmem &&
       2 /* bytes an element */ * (kBlockM * kHeadDim * kQStages + 2 * kStages * kBlockN * kHeadDim +
                                kConsumers * 64 * kHeadDim) + 2048 > 227 * 1024;
