@@ -55,14 +55,22 @@ struct Sw128Tile {
   // row the k-step is a 32-byte offset of the start address (the hardware applies the swizzle to
   // the address it computes); 8-row groups are 1024 bytes apart; the leading offset is unused.
   __device__ uint64_t k_major(int row0, int k) const {
-    const uint32_t addr = smem_u32(base) + (k / 4) * kBlockBytes + row0 * 128 + (k % 4) * 32;
-    return descriptor(addr, 16, 1024);
+    return descriptor_plus(smem_u32(base), 16, 1024, (k / 4) * kBlockBytes + row0 * 128 + (k % 4) * 32);
   }
   // MN-major operand (read transposed): K rows [16 k, 16 k + 16) (two groups of 8 rows, 1024 bytes
   // apart) and all kCols N columns (64-column blocks kBlockBytes apart).
-  __device__ uint64_t mn_major(int k) const {
-    const uint32_t addr = smem_u32(base) + k * 16 * 128;
-    return descriptor(addr, kBlockBytes, 1024);
+  __device__ uint64_t mn_major(int k) const { return descriptor_plus(smem_u32(base), kBlockBytes, 1024, k * 16 * 128); }
+  // The descriptor of base + offset as the base's low word plus offset / 16: one 32-bit add a
+  // product once the base's word is formed (shared::cta addresses are below 2^18, so the 14-bit
+  // address field never carries into the leading offset). Masking and shifting each address took
+  // 3-4 uniform instructions a product: the hd128 192-key loop ran 712 instructions a warp per KV
+  // tile against FA3's 659, now 659; same run, H100, +0.4 to +1.7% from 4K, even below
+  // (notes/prefill_hopper.md v13).
+  __device__ static uint64_t descriptor_plus(uint32_t base_addr, uint32_t leading_bytes, uint32_t stride_bytes,
+                                             uint32_t offset) {
+    const uint32_t lo = ((base_addr & 0x3FFFF) >> 4 | (leading_bytes >> 4) << 16) + (offset >> 4);
+    const uint32_t hi = stride_bytes >> 4 | uint32_t(1) << 30;
+    return uint64_t(hi) << 32 | lo;
   }
   // Zeroes rows [from_row, kRows) of every column block, `lanes` threads from `lane`. A row of a
   // block is 128 contiguous bytes whatever the swizzle.
