@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -471,6 +472,58 @@ TEST(RefAttention, PagedEqualsRagged) {
       EXPECT_EQ(max_abs_diff(lse, want_lse), 0.0);
     }
   }
+}
+
+// The reference spreads rows over the host's threads: every row must come out as it does when its
+// request is computed alone (bitwise), and a KV source's exception must reach the caller.
+TEST(RefAttention, RowsOnManyThreadsEqualRequestsAlone) {
+  Lengths lengths;
+  for (int r = 0; r < 40; ++r) lengths.push_back({1 + (r * 7) % 16, 1 + (r * 13) % 97});
+  const Batch b = make_batch(lengths, 4, 2, 8, 77);
+  AttentionParams p = params_for(b);
+  p.causal = true;
+  std::vector<double> out, lse;
+  attention(b.q.data(), b.qo_indptr, b.ragged(), p, out, lse);
+  const size_t row_floats = static_cast<size_t>(b.num_qo_heads) * b.head_dim;
+  for (int r = 0; r < b.size(); ++r) {
+    // Request r alone: its rows (at most 16: one block of the reference's work split).
+    const std::vector<int32_t> qo{0, b.qo_len(r)}, kv{0, b.kv_len(r)};
+    const float* q = b.q_row(r, 0);
+    const size_t kv_floats = static_cast<size_t>(b.num_kv_heads) * b.head_dim;
+    const RaggedKV alone(b.k.data() + b.kv_indptr[r] * kv_floats, b.v.data() + b.kv_indptr[r] * kv_floats, kv,
+                         b.num_kv_heads, b.head_dim);
+    std::vector<double> o1, l1;
+    attention(q, qo, alone, p, o1, l1);
+    for (size_t i = 0; i < o1.size(); ++i)
+      ASSERT_EQ(o1[i], out[b.qo_indptr[r] * row_floats + i]) << "request " << r << " element " << i;
+    for (size_t i = 0; i < l1.size(); ++i)
+      ASSERT_EQ(l1[i], lse[b.qo_indptr[r] * b.num_qo_heads + i]) << "request " << r << " LSE " << i;
+  }
+}
+
+class ThrowingKV final : public KVSource {
+ public:
+  explicit ThrowingKV(const RaggedKV& inner) : inner_(inner) {}
+  int batch_size() const override { return inner_.batch_size(); }
+  int64_t kv_len(int r) const override { return inner_.kv_len(r); }
+  const float* key(int r, int64_t pos, int h) const override {
+    if (r == 3) throw std::logic_error("key of request 3");
+    return inner_.key(r, pos, h);
+  }
+  const float* value(int r, int64_t pos, int h) const override { return inner_.value(r, pos, h); }
+
+ private:
+  const RaggedKV& inner_;
+};
+
+TEST(RefAttention, KvSourceExceptionsReachTheCaller) {
+  Lengths lengths(64, {16, 20});
+  const Batch b = make_batch(lengths, 2, 2, 8, 78);
+  const RaggedKV ragged = b.ragged();
+  const ThrowingKV throwing(ragged);
+  std::vector<double> out, lse;
+  EXPECT_THROW(attention(b.q.data(), b.qo_indptr, throwing, params_for(b), out, lse), std::logic_error);
+  EXPECT_THROW(attention_naive_lowp(b.q.data(), b.qo_indptr, throwing, params_for(b), 7, out, lse), std::logic_error);
 }
 
 // ---- naive low precision ----------------------------------------------------------------------
