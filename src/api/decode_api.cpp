@@ -120,7 +120,12 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.one_cta_per_sm_shape = g.one_cta_per_sm;
   // At hd256 the default CTA has 2 warps (32 keys per stage) and its merges of many chunks are
   // slow, so the one-CTA-per-SM shape pays for split lists there (measured: decode_plan.cpp).
-  cap.one_cta_per_sm_for_splits = c.head_dim >= 256;
+  // With one KV head (a work item is one CTA and its partials are the whole group's rows) it pays
+  // at hd128 too: H200, same kernels, the wide shape's plans against the default shape's, 64
+  // requests of 8 / 1 heads: skewed 20.1 vs 24.4 us, one 64K among 63 of 512 ~25 vs 30.8, Zipf
+  // 1.5 ~30 vs 34.8, uniform 2K 27.1 vs 28.1 (notes/decode_plan.md, "The 1-KV-head cases"); at 8
+  // KV heads split lists ran 0.5-2% slower in it (b1-b8, v12), so there it stays unsplit only.
+  cap.one_cta_per_sm_for_splits = c.head_dim >= 256 || c.num_kv_heads == 1;
   cap.window_left = effective_window(c.window_left);
   return cap;
 }
