@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 
 namespace tessera::ref {
@@ -93,7 +94,13 @@ void for_each_row(const float* q, const std::vector<int32_t>& qo_indptr, const K
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), useful)));
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  pool.reserve(static_cast<size_t>(threads - 1));
+  try {
+    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  } catch (const std::system_error&) {
+    // A thread limit (ulimit, a container's pids.max) refused one: the rows go to the threads
+    // that did start and to this one, which all take blocks from the same counter.
+  }
   worker();
   for (std::thread& t : pool) t.join();
   if (failure) std::rethrow_exception(failure);
