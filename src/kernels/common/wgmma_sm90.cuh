@@ -48,8 +48,7 @@ struct Sw128Tile {
   // wgmma descriptor fields: start address, leading and stride byte offsets (16-byte units), and
   // the 128-byte swizzle mode.
   __device__ static uint64_t descriptor(uint32_t addr, uint32_t leading_bytes, uint32_t stride_bytes) {
-    return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(leading_bytes >> 4) << 16 |
-           uint64_t(stride_bytes >> 4) << 32 | uint64_t(1) << 62;
+    return descriptor_plus(addr, leading_bytes, stride_bytes, 0);
   }
   // K-major operand: rows [row0, row0 + M or N) and K columns [16 k, 16 k + 16). Within a 128-byte
   // row the k-step is a 32-byte offset of the start address (the hardware applies the swizzle to
