@@ -52,7 +52,8 @@ void run(const char* name, const std::vector<int64_t>& kv_len, int32_t page, int
   cap.num_sms = 132;
   cap.ctas_per_sm = 2;
   cap.one_cta_per_sm_shape = true;
-  cap.one_cta_per_sm_for_splits = kv_heads == 1;  // as BatchDecoder's capacity at hd128 (decode_api.cpp)
+  // As BatchDecoder's capacity at hd128 (decode_api.cpp).
+  if (kv_heads == 1) cap.one_cta_per_sm_use = plan::OneCtaPerSmUse::kWheneverItFits;
   plan::DecodePlanner planner(cap);
   const auto bsr = format::bsr_from_page_table(page, static_cast<int32_t>(kv_len.size()),
                                                t.indptr.data(), t.indices.data(), t.last.data());

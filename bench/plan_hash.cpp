@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
     plan::PlanCapacity cap;
     cap.max_batch_size = 1024; cap.max_qo_len = 1; cap.num_qo_heads = 8 * heads; cap.num_kv_heads = heads;
     cap.head_dim = (rng() % 3 == 0) ? 256 : 128; cap.num_sms = 132; cap.ctas_per_sm = 2;
-    cap.one_cta_per_sm_shape = rng() % 2; cap.one_cta_per_sm_for_splits = cap.head_dim >= 256;
+    cap.one_cta_per_sm_shape = rng() % 2; if (cap.head_dim >= 256) cap.one_cta_per_sm_use = plan::OneCtaPerSmUse::kAlsoSplitLists;
     plan::DecodePlanner planner(cap);
     const auto bsr = format::bsr_from_page_table(page, batch, indptr.data(), indices.data(), last.data());
     std::vector<unsigned char> image(planner.layout().plan_bytes);

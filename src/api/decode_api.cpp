@@ -119,13 +119,18 @@ plan::PlanCapacity capacity_for(const DecodeConfig& c, const GpuShape& g) {
   cap.ctas_per_sm = g.ctas_per_sm;
   cap.one_cta_per_sm_shape = g.one_cta_per_sm;
   // At hd256 the default CTA has 2 warps (32 keys per stage) and its merges of many chunks are
-  // slow, so the one-CTA-per-SM shape pays for split lists there (measured: decode_plan.cpp).
-  // With one KV head (a work item is one CTA and its partials are the whole group's rows) it pays
-  // at hd128 too: H200, same kernels, the wide shape's plans against the default shape's, 64
-  // requests of 8 / 1 heads: skewed 20.1 vs 24.4 us, one 64K among 63 of 512 ~25 vs 30.8, Zipf
-  // 1.5 ~30 vs 34.8, uniform 2K 27.1 vs 28.1 (notes/decode_plan.md, "The 1-KV-head cases"); at 8
-  // KV heads split lists ran 0.5-2% slower in it (b1-b8, v12), so there it stays unsplit only.
-  cap.one_cta_per_sm_for_splits = c.head_dim >= 256 || c.num_kv_heads == 1;
+  // slow, so the one-CTA-per-SM shape pays for split lists there (measured: decode_plan.cpp); at
+  // 8 KV heads split lists ran 0.5-2% slower in it (b1-b8, v12), so there it stays unsplit only.
+  // With one KV head (a work item is one CTA and its partials are the whole group's rows) it wins
+  // whenever the batch fits it, so the default shape is not even estimated: same kernels, 8 / 1
+  // heads, hd128, the planner's plan in each shape, wide against default (H100, 20d7bbe, TB/s):
+  // 64 requests skewed 0.861 vs 0.711, one 64K among 63 of 512 1.681 vs 1.446, Zipf 1.5 1.805 vs
+  // 1.615, uniform 2K 2.032 vs 1.933; b1 x 32K 0.843 vs 0.667, b1 x 128K 1.770 vs 1.589, b4 x 16K
+  // 1.349 vs 1.140, b8 x 4K 0.997 vs 0.712, b16 x 8K 2.022 vs 1.886, b32 x 4K 2.038 vs 1.891,
+  // b128 Zipf 1.1 2.528 vs 2.300, b132 x 2K 2.629 vs 2.395 (notes/decode_plan.md, "1 KV head").
+  cap.one_cta_per_sm_use = c.num_kv_heads == 1    ? plan::OneCtaPerSmUse::kWheneverItFits
+                           : c.head_dim >= 256 ? plan::OneCtaPerSmUse::kAlsoSplitLists
+                                                 : plan::OneCtaPerSmUse::kUnsplitLists;
   cap.window_left = effective_window(c.window_left);
   return cap;
 }

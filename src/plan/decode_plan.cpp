@@ -650,7 +650,8 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   // (it saves chunks and merges) and it splits nothing, or the capacity says it pays for split
   // lists too. Measured on the H200 (notes/decode.md, v12): unsplit it gains 2-3% (b12-b16 x 8K:
   // no partials, no merge); at hd128 a split list runs 0.5-2% slower in it (b1-b8), at hd256
-  // 2-13% faster (b4, b1 x 32K).
+  // 2-13% faster (b4, b1 x 32K). Where the capacity says it always pays (kWheneverItFits), the
+  // default shape's search is skipped: its chunk search was half of such a plan's time.
   granule_ = std::lcm<int64_t>(kv.block_size, policy_.granularity);
   const Wave base{cap_.num_sms * cap_.ctas_per_sm, policy_.cost.cta_peak_bytes_per_us};
   const Wave wide{cap_.num_sms, policy_.cost.one_cta_per_sm_peak_bytes_per_us};
@@ -675,15 +676,18 @@ const Plan& DecodePlanner::plan(const format::BsrLayout& kv, const int32_t* qo_i
   Choice chosen{longest, 0.0};
   plan_.shape = CtaShape::kDefault;
   plan_.wave_ctas = base.ctas;
-  if (!pinned_wide && policy_.split) chosen = pick(base);
-  if (cap_.one_cta_per_sm_shape && (pinned_wide || (!shape_pinned_ && may_fit))) {
+  const bool wide_fits = cap_.one_cta_per_sm_shape && !shape_pinned_ && may_fit;
+  const bool wide_always = wide_fits && cap_.one_cta_per_sm_use == OneCtaPerSmUse::kWheneverItFits;
+  const bool wide_splits = cap_.one_cta_per_sm_use != OneCtaPerSmUse::kUnsplitLists;
+  if (!pinned_wide && !wide_always && policy_.split) chosen = pick(base);
+  if (pinned_wide || wide_fits) {
     // Unless it pays for split lists, only its unsplit list can be taken: estimate that alone.
-    Choice one = policy_.split && (cap_.one_cta_per_sm_for_splits || pinned_wide) ? pick(wide)
-                                                                                   : Choice{longest, 0.0};
+    Choice one = policy_.split && (wide_splits || pinned_wide) ? pick(wide) : Choice{longest, 0.0};
     if (one.makespan_us == 0) one.makespan_us = makespan_us(one.chunk, wide);
-    if (!pinned_wide && chosen.makespan_us == 0) chosen.makespan_us = makespan_us(chosen.chunk, base);
-    const bool pays = one.chunk >= longest || cap_.one_cta_per_sm_for_splits;
-    if (pinned_wide || (pays && one.makespan_us <= chosen.makespan_us * kOneCtaPerSmMargin)) {
+    const bool compare = !pinned_wide && !wide_always;
+    if (compare && chosen.makespan_us == 0) chosen.makespan_us = makespan_us(chosen.chunk, base);
+    const bool pays = one.chunk >= longest || wide_splits;
+    if (!compare || (pays && one.makespan_us <= chosen.makespan_us * kOneCtaPerSmMargin)) {
       chosen = one;
       plan_.shape = CtaShape::kOneCtaPerSm;
       plan_.wave_ctas = wide.ctas;

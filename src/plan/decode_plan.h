@@ -32,8 +32,9 @@
 // batch's unsplit items fit num_sms CTAs) and takes the one-per-SM plan when its makespan is at
 // most 1/16 longer than the default plan's (it writes fewer partials and merges) and it leaves
 // every item unsplit, or the capacity says the shape pays for split lists as well
-// (one_cta_per_sm_for_splits: hd256, whose default CTA has only 2 warps). A plan's shape can be
-// pinned (CUDA-graph capture fixed the kernel).
+// (OneCtaPerSmUse::kAlsoSplitLists: hd256, whose default CTA has only 2 warps). Where the
+// capacity says it always pays (kWheneverItFits: one KV head), the default shape is not estimated
+// at all when the batch fits. A plan's shape can be pinned (CUDA-graph capture fixed the kernel).
 //
 // Requests with no query token this step get no work. Deterministic, allocation-free after
 // construction (every buffer is sized from PlanCapacity, so the device copy of the plan has fixed
@@ -49,6 +50,14 @@
 
 namespace tessera::plan {
 
+// When the planner takes the decode kernel's one-CTA-per-SM shape, where the kernel has it and the
+// step's unsplit items fit num_sms CTAs (see the header comment).
+enum class OneCtaPerSmUse : int8_t {
+  kUnsplitLists,    // for a list that splits nothing, when its makespan is within 1/16 of the default's
+  kAlsoSplitLists,  // for split lists too, by the same comparison (hd256)
+  kWheneverItFits,  // always, without estimating the default shape (one KV head, see decode_api.cpp)
+};
+
 // Fixed at creation; a step that exceeds it is rejected with tessera::Error.
 struct PlanCapacity {
   int32_t max_batch_size = 0;
@@ -59,7 +68,7 @@ struct PlanCapacity {
   int32_t num_sms = 0;      // of the GPU the plan runs on
   int32_t ctas_per_sm = 1;  // resident CTAs of the decode kernel per SM (its default shape)
   bool one_cta_per_sm_shape = false;  // the kernel also has the one-CTA-per-SM shape here
-  bool one_cta_per_sm_for_splits = false;  // ... and it pays for split lists too (see the planner)
+  OneCtaPerSmUse one_cta_per_sm_use = OneCtaPerSmUse::kUnsplitLists;  // ... and when it is taken
   int32_t window_left = -1; // >= 0: sliding window; only keys the window can see are planned
 };
 

@@ -358,7 +358,7 @@ TEST(DecodePlan, OneCtaPerSmOnlyWhereItsMakespanIsNoWorse) {
 TEST(DecodePlan, OneCtaPerSmForSplitListsWhereTheCapacitySaysItPays) {
   PlanCapacity cap = h200_decode_two_shapes(256);
   cap.head_dim = 256;
-  cap.one_cta_per_sm_for_splits = true;
+  cap.one_cta_per_sm_use = OneCtaPerSmUse::kAlsoSplitLists;
   DecodePlanner planner(cap);
   Batch one(16, {32768});
   const Plan& plan = planner.plan(one.bsr(), one.qo_indptr.data());
@@ -369,6 +369,34 @@ TEST(DecodePlan, OneCtaPerSmForSplitListsWhereTheCapacitySaysItPays) {
   // Still not where its longest task would be worse: 9 x 8192 stays on the default shape.
   Batch nine(16, std::vector<int64_t>(9, 8192));
   EXPECT_EQ(planner.plan(nine.bsr(), nine.qo_indptr.data()).shape, CtaShape::kDefault);
+}
+
+TEST(DecodePlan, OneKvHeadBatchesTakeTheOneCtaPerSmShapeWheneverTheyFitIt) {
+  // One KV head, group 8 (BatchDecoder's capacity there): every batch whose unsplit items fit
+  // the 132 SMs plans in the one-CTA-per-SM shape, split or not; 133 requests cannot, and plan
+  // in the default shape.
+  PlanCapacity cap = h200_decode_two_shapes(256);
+  cap.num_kv_heads = 1;
+  cap.num_qo_heads = 8;
+  cap.one_cta_per_sm_use = OneCtaPerSmUse::kWheneverItFits;
+  DecodePlanner planner(cap);
+  std::vector<int64_t> skewed(64, 300);
+  skewed[5] = 65536;
+  skewed[40] = 16;
+  const std::vector<std::vector<int64_t>> fitting = {
+      {32768}, {131072}, std::vector<int64_t>(8, 4096), std::vector<int64_t>(16, 8192), skewed,
+      std::vector<int64_t>(132, 2048), std::vector<int64_t>(100, 7), {0, 5000, 0}};
+  for (const std::vector<int64_t>& kv : fitting) {
+    Batch b(16, kv);
+    const Plan& plan = planner.plan(b.bsr(), b.qo_indptr.data());
+    check_plan(plan, b, cap, planner);
+    EXPECT_EQ(plan.shape, CtaShape::kOneCtaPerSm) << kv.size() << " requests";
+    EXPECT_EQ(plan.wave_ctas, 132);
+  }
+  Batch over(16, std::vector<int64_t>(133, 2048));
+  const Plan& plan = planner.plan(over.bsr(), over.qo_indptr.data());
+  check_plan(plan, over, cap, planner);
+  EXPECT_EQ(plan.shape, CtaShape::kDefault);
 }
 
 TEST(DecodePlan, RequestsWithoutQueriesDoNotCountAgainstTheOneCtaPerSmWave) {

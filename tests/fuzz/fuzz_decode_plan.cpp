@@ -38,7 +38,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cap.num_sms = static_cast<int32_t>(in.range(1, 160));
   cap.ctas_per_sm = static_cast<int32_t>(in.range(1, 4));
   cap.one_cta_per_sm_shape = cap.ctas_per_sm >= 2 && in.flag();
-  cap.one_cta_per_sm_for_splits = in.flag();
+  const plan::OneCtaPerSmUse uses[] = {plan::OneCtaPerSmUse::kUnsplitLists, plan::OneCtaPerSmUse::kAlsoSplitLists,
+                                       plan::OneCtaPerSmUse::kWheneverItFits};
+  cap.one_cta_per_sm_use = in.pick(uses);
   cap.max_qo_len = static_cast<int32_t>(in.range(1, 8));
   cap.max_batch_size = static_cast<int32_t>(in.range(1, 300));
   cap.window_left = in.flag() ? static_cast<int32_t>(in.range(0, 5000)) : -1;
