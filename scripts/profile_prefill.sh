@@ -8,8 +8,8 @@
 # "paged:QO_LEN:KV_LEN:BATCH" for chunked prefill over pages of 16 (bench/prefill_launches.py's
 # paged workload, 32 / 8 heads, hd128, causal). Needs tessera importable (PYTHONPATH)
 # and FlashInfer installed (bench/flashinfer/README.md). Writes OUTDIR/profiles.tar.xz holding, per
-# case and library, NAME.ncu-rep, NAME.csv (the details page) and NAME_sass.csv (per-instruction
-# counts and stall samples), and prints the headline metrics.
+# case and library, NAME.ncu-rep, NAME.csv (the details page), NAME_raw.csv (every metric) and
+# NAME_sass.csv (per-instruction counts and stall samples), and prints the headline metrics.
 set -uo pipefail
 out=${1:?usage: profile_prefill.sh OUTDIR [CASES]}
 cases=${2:-"8192:0 8192:1 1024:0"}
@@ -28,6 +28,9 @@ for c in $cases; do
     "$ncu" --clock-control none --set full --import-source yes -k "$filter" --launch-skip 10 --launch-count 1 \
       -f -o "$work/$name" python3 "$here/bench/prefill_launches.py" $lib$suffix $args > "$work/$name.log" 2>&1
     "$ncu" -i "$work/$name.ncu-rep" --page details --csv > "$work/$name.csv" 2>/dev/null
+    # Every collected metric, the per-pipe ones (sm__pipe_*_cycles_active, sm__inst_executed_pipe_*)
+    # included: the details page shows the pipe utilisation only as a chart.
+    "$ncu" -i "$work/$name.ncu-rep" --page raw --csv > "$work/${name}_raw.csv" 2>/dev/null
     "$ncu" -i "$work/$name.ncu-rep" --page source --csv --print-source sass > "$work/${name}_sass.csv" 2>/dev/null
     python3 - "$work/$name.csv" "$name" <<'PY'
 import csv, sys
