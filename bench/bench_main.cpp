@@ -9,6 +9,8 @@
 //                 [lengths=list kv_lens=32768,16,300,... (batch values; kv_len not needed)]
 //                 [pipeline_stages=0|2|3] [ctas_per_sm=0|1|2] (0: what the decoder picks)
 //   tessera_bench prefill | prefill_portable name=... batch=... seq=... num_qo_heads=... num_kv_heads=... head_dim=... causal=...
+//                 [timeline=FILE [timeline_tiles=64]] (a build with -DTESSERA_SM90_TIMELINE=ON: one more
+//                 launch writes the Hopper consumers' phase timeline to FILE; bench/prefill_timeline.py)
 //   tessera_bench memory name=... seq=... head_dim=... [causal=...]
 //   tessera_bench prefill_plan name=q512_kv32k_b2 batch=2 qo_len=512 kv_len=32768 num_qo_heads=32 num_kv_heads=8
 //                 head_dim=128 page_size=16 [causal=true] [layout=NHD|HND]
@@ -31,6 +33,7 @@
 #include "ceilings.h"
 #include "dispatch/moe_dispatch.h"
 #include "dispatch/prefill_dispatch.h"
+#include "kernels/attention/sm90/prefill_sm90_launch.h"
 #include "tessera/decode.h"
 #include "tessera/tessera.h"
 #include "timing.h"
@@ -303,6 +306,41 @@ void force_kv_tile(const Args& a) {
 //   [path=portable|hopper] forces a family; [scheduler= order=inner|outer|mirror heavy_first= run_length=]
 //   the Hopper schedule; [gqa_pack=auto|on|off] packed GQA (force_gqa_pack); [kv_tile=auto|128|192]
 //   the K / V tile width (force_kv_tile).
+// One launch with the Hopper prefill's phase timeline on (kernels/attention/sm90/
+// phase_timeline_sm90.cuh; builds with -DTESSERA_SM90_TIMELINE=ON), its records as CSV: one line a
+// (slot = CTA x consumers + consumer, ordinal) record that was written; cycles after the tile's
+// start, and the loop's wait sums.
+template <class Launch>
+void write_prefill_timeline(const std::string& path, int64_t slots, int per_slot, Launch launch) {
+  if (!kernels::sm90::prefill_sm90_timeline_built()) {
+    throw Error("timeline=: this tessera_bench was built without -DTESSERA_SM90_TIMELINE=ON");
+  }
+  constexpr int kWords = kernels::sm90::kPrefillSm90TimelineWords;
+  const size_t words = size_t(slots) * per_slot * kWords;
+  Buffer buffer(words * sizeof(unsigned));
+  cuda_ok(cudaMemset(buffer.get(), 0xff, words * sizeof(unsigned)), "timeline");
+  kernels::sm90::set_prefill_sm90_timeline(static_cast<unsigned*>(buffer.get()), per_slot);
+  launch();
+  cuda_ok(cudaDeviceSynchronize(), "timeline launch");
+  kernels::sm90::set_prefill_sm90_timeline(nullptr, 0);
+  std::vector<unsigned> host(words);
+  cuda_ok(cudaMemcpy(host.data(), buffer.get(), words * sizeof(unsigned), cudaMemcpyDeviceToHost), "timeline");
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) throw Error("timeline=: cannot write " + path);
+  std::fprintf(f, "slot,ordinal,tile_start,q_ready,first_scores,loop_end,last_values,epilogue_end,wait_inputs,"
+                  "wait_scores,wait_values,tile_row,head,split,sm,kv_tiles\n");
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    for (int i = 0; i < per_slot; ++i) {
+      const unsigned* r = &host[(size_t(slot) * per_slot + i) * kWords];
+      if (r[11] == 0xffffffffu) break;  // (a slot's records are written in order)
+      std::fprintf(f, "%lld,%d,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u\n", static_cast<long long>(slot), i, r[0],
+                   r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10] & 0xffff, r[10] >> 16, r[11] >> 16,
+                   r[11] & 0xffff);
+    }
+  }
+  std::fclose(f);
+}
+
 int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   const int batch = arg_int(a, "batch"), seq = arg_int(a, "seq");
   const int qh = arg_int(a, "num_qo_heads"), kh = arg_int(a, "num_kv_heads"), d = arg_int(a, "head_dim");
@@ -322,6 +360,16 @@ int bench_prefill(const char* suite, const Args& a, AttentionPath path) {
   cuda_ok(cudaMemGetInfo(&free_before, &total), "meminfo");
   const double ms = median_ms([&](int) { batch_prefill(pa, nullptr); }, 3, 20);
   cuda_ok(cudaMemGetInfo(&free_after, &total), "meminfo");
+  if (a.count("timeline")) {
+    // Records of every (CTA, consumer) slot: grid <= max(SMs, tiles), tiles <= batch x heads x
+    // ceil(seq / 64), at most 3 consumers a CTA.
+    int device = 0, sms = 0;
+    cuda_ok(cudaGetDevice(&device), "device");
+    cuda_ok(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "device");
+    const int per_slot = static_cast<int>(arg_int(a, "timeline_tiles", "64"));
+    const int64_t ctas = std::max<int64_t>(sms, int64_t(batch) * qh * ((seq + 63) / 64));
+    write_prefill_timeline(arg(a, "timeline"), ctas * 3, per_slot, [&] { batch_prefill(pa, nullptr); });
+  }
   const double flops = 4.0 * batch * qh * double(seq) * seq * d * (causal ? 0.5 : 1.0);
   const double held_mb = prob.held_mb(free_before, free_after);
   std::printf("{\"suite\": \"%s\", \"case\": \"%s\", \"metric\": \"TFLOP/s\", \"tessera\": %.2f, "

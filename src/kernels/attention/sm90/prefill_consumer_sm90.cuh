@@ -17,6 +17,7 @@
 #include "kernels/attention/common/mask_tile.cuh"
 #include "kernels/attention/common/online_softmax.cuh"
 #include "kernels/attention/common/register_tile.cuh"
+#include "kernels/attention/sm90/phase_timeline_sm90.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
 #include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
 
@@ -42,10 +43,13 @@ struct PrefillConsumer {
   RingPosition<Config::kQStages> q_ring;
   int q_slot = 0;  // the Q buffer of the work tile being computed
   uint32_t zeroed_phases = 0;  // bit s: parity of v_zeroed[s]'s next phase
+  // Empty but in experiment builds (phase_timeline_sm90.cuh); the 192-key tile has no registers
+  // for the loop's wait sums.
+  PhaseTimeline<kBlockN <= 128> timeline;
 
   __device__ PrefillConsumer(const PrefillSm90Params& params, const Smem& s, int consumer_index)
       : p(params), smem(s), logits(params.base.scale, params.base.soft_cap), consumer(consumer_index),
-        warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32) {}
+        warp((threadIdx.x / 32) % 4), lane(threadIdx.x % 32), timeline(params) {}
 
   // Ping-pong (Config::kPingPong): consumer c issues its products only on its turn (named barrier
   // kTurnBarrier + c: its own 128 threads wait, the 128 of the consumer before it arrive) and
@@ -252,6 +256,7 @@ struct PrefillConsumer {
 
   __device__ void compute(const WorkTile& w) {
     auto& bar = smem.barriers();
+    timeline.begin_tile();
     OTile o;
     fill(o, 0.f);
     OnlineSoftmax softmax(logits.log2_scale);
@@ -259,6 +264,7 @@ struct PrefillConsumer {
     if (tiles > 0) {
       q_slot = q_ring.stage;
       bar.q_full[q_slot].wait(q_ring.phase);
+      timeline.stamp(kQReady);
       q_ring.advance();
       STile s;
       PFragments pf;
@@ -271,6 +277,7 @@ struct PrefillConsumer {
       issue_scores(s, ring.stage);
       pass_turn();
       wgmma_wait<0>();
+      timeline.stamp(kFirstScores);
       fence_registers(s);
       release(bar.k_empty[ring.stage]);
       if (tiles == 1) release_q_after_scores();
@@ -283,24 +290,30 @@ struct PrefillConsumer {
       // The rest: S of this tile overlapped with P V of the previous one.
       for (int i = 1; i < tiles; ++i) {
         --tile;
+        timeline.wait_begin();
         wait_keys(ring);
         fence_registers(s);
         fence_registers(o);
         fence_registers(pf);
         take_turn();
+        timeline.wait_end(kWaitInputs);
         wgmma_fence();
         issue_scores(s, ring.stage);
         wait_values(prev, prev_partial);
         issue_values(pf, o, prev.stage);
         pass_turn();
+        timeline.wait_begin();
         wgmma_wait<1>();
+        timeline.wait_end(kWaitScores);
         fence_registers(s);
         release(bar.k_empty[ring.stage]);
         if (i == tiles - 1) release_q_after_scores();
         logits_and_mask(s, w, tile * kBlockN);
         float rescale[2];
         const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
+        timeline.wait_begin();
         wgmma_wait<0>();
+        timeline.wait_end(kWaitValues);
         fence_registers(o);
         fence_registers(pf);
         release(bar.v_empty[prev.stage]);
@@ -311,6 +324,7 @@ struct PrefillConsumer {
         prev_partial = false;
         ring.advance();
       }
+      timeline.stamp(kLoopEnd);
       wait_values(prev, prev_partial);
       fence_registers(o);
       fence_registers(pf);
@@ -319,11 +333,13 @@ struct PrefillConsumer {
       issue_values(pf, o, prev.stage);
       pass_turn();
       wgmma_wait<0>();
+      timeline.stamp(kLastValues);
       fence_registers(o);
       release(bar.v_empty[prev.stage]);
       if (tiles < Config::kStages) o_stage_read();
     }
     epilogue(o, softmax, w, tiles > 0, ring.stage);  // (ring: the stage after the tile's last)
+    timeline.end_tile(w);
   }
 };
 

@@ -154,6 +154,10 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
   params.run_length = std::max(1, schedule.run_length);
+#if TESSERA_SM90_TIMELINE
+  params.timeline = prefill_sm90_timeline().buffer;
+  params.timeline_tiles = prefill_sm90_timeline().tiles_per_consumer;
+#endif
   if (base.paged && base.page_size % 8 != 0) {
     // Pages whose runs do not start on whole 8-row swizzle atoms: the producer gathers K / V
     // (kv_source_sm90.cuh, GatheredKVSm90); Q still by TMA.

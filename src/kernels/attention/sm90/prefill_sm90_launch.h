@@ -4,6 +4,11 @@
 #include "kernels/attention/prefill_params.h"
 #include "tessera/dtype.h"
 
+// 1 in experiment builds with the phase timeline (cmake -DTESSERA_SM90_TIMELINE=ON).
+#ifndef TESSERA_SM90_TIMELINE
+#define TESSERA_SM90_TIMELINE 0
+#endif
+
 namespace tessera::kernels::sm90 {
 
 // How the tile list (request, query head, query tile) is ordered and handed to CTAs
@@ -54,6 +59,20 @@ struct PrefillSm90Tile {
 };
 PrefillSm90Tile prefill_sm90_tile(int head_dim);
 inline int prefill_sm90_block_m(int head_dim) { return prefill_sm90_tile(head_dim).block_m; }
+// The phase timeline of an experiment build (cmake -DTESSERA_SM90_TIMELINE=ON; phase_timeline_sm90.cuh):
+// the family's next launches write up to tiles_per_consumer records a consumer warpgroup, of
+// kPrefillSm90TimelineWords 32-bit words each, into `buffer` (device memory for grid x consumers x
+// tiles_per_consumer records: at most num_sms x 3 consumers with the persistent schedules); nullptr
+// stops. Throws tessera::Error in a build without the timeline (prefill_sm90_timeline_built()).
+constexpr int kPrefillSm90TimelineWords = 12;
+bool prefill_sm90_timeline_built();
+void set_prefill_sm90_timeline(unsigned* buffer, int tiles_per_consumer);
+struct PrefillSm90Timeline {
+  unsigned* buffer = nullptr;
+  int tiles_per_consumer = 0;
+};
+PrefillSm90Timeline prefill_sm90_timeline();  // what the launcher hands the kernel
+
 // Launches the family on an sm_90 GPU with num_sms SMs. Throws tessera::Error for a combination
 // that was not compiled or a tensor the copy engine cannot describe.
 void launch_prefill_sm90(DType dtype, int head_dim, const PrefillParams& params,

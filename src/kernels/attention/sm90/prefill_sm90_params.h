@@ -28,6 +28,10 @@ struct PrefillSm90Params {
   bool kv_grouped = false, kv_head_in_blocks = false;  // PagedTensorMaps::grouped / head_in_blocks
   bool k_token_dim_first = false, v_token_dim_first = false;
   bool kv_gathered = false;  // pages of page_size % 8 != 0: GatheredKVSm90 (no K / V maps)
+#if TESSERA_SM90_TIMELINE
+  unsigned* timeline = nullptr;  // phase_timeline_sm90.cuh's records (experiment builds only)
+  int timeline_tiles = 0;        // records a consumer warpgroup
+#endif
 };
 
 }  // namespace tessera::kernels::sm90
