@@ -168,15 +168,23 @@ int max_qo_len(const TensorView& qo_indptr, const int32_t* host_qo_indptr) {
   return max_qo;
 }
 
-// Whether every request has the same qo_len and the same kv_len (host copies; kv_len(i) is
-// request i's keys).
+// PrefillParams::uniform_lengths (every request has the same qo_len and the same kv_len),
+// shortest_history and total_keys from the host copies (kv_len(i): request i's keys).
 template <typename KvLen>
-bool lengths_uniform(const int32_t* host_qo_indptr, int64_t batch, KvLen kv_len) {
+void summarize_lengths(const int32_t* host_qo_indptr, int64_t batch, KvLen kv_len, kernels::PrefillParams& p) {
   const int32_t qo0 = batch > 0 ? host_qo_indptr[1] - host_qo_indptr[0] : 0;
-  for (int64_t i = 1; i < batch; ++i) {
-    if (host_qo_indptr[i + 1] - host_qo_indptr[i] != qo0 || kv_len(i) != kv_len(0)) return false;
+  const int64_t kv0 = batch > 0 ? int64_t(kv_len(0)) : 0;
+  p.uniform_lengths = true;
+  p.shortest_history = -1;
+  p.total_keys = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int32_t qo = host_qo_indptr[i + 1] - host_qo_indptr[i];
+    const int64_t kv = kv_len(i);
+    p.uniform_lengths = p.uniform_lengths && qo == qo0 && kv == kv0;
+    p.total_keys += std::max<int64_t>(kv, 0);
+    if (qo > 0) p.shortest_history = p.shortest_history < 0 ? kv - qo : std::min(p.shortest_history, kv - qo);
   }
-  return true;
+  if (p.shortest_history < 0) p.shortest_history = 0;  // (no rows, or a request with more rows than keys)
 }
 
 // What both prefill entry points fill the same way: queries, outputs, LSE, qo_indptr, head counts,
@@ -280,8 +288,7 @@ kernels::PrefillParams paged_prefill_params(const ArgCheck& check, const PagedPr
   p.kv_indptr = static_cast<const int32_t*>(a.table.indptr.data);
   p.q_rows = a.q.size(0);
   p.num_pages = c.num_pages();
-  p.uniform_lengths =
-      lengths_uniform(a.host_qo_indptr, p.batch_size, [&](int64_t i) { return kv.row_tokens(static_cast<int32_t>(i)); });
+  summarize_lengths(a.host_qo_indptr, p.batch_size, [&](int64_t i) { return kv.row_tokens(static_cast<int32_t>(i)); }, p);
   return p;
 }
 
@@ -295,7 +302,9 @@ void launch_prefill(const kernels::PrefillParams& p, AttentionPath path, DType d
     hp.gqa_pack = gqa_pack >= 0 ? gqa_pack : dispatch::choose_prefill_gqa_pack(hp);
     kernels::sm90::launch_prefill_sm90(
         dtype, head_dim, hp,
-        dispatch::choose_prefill_sm90_schedule(hp, head_dim, num_sms, dispatch::shared_memory_per_block()), num_sms,
+        dispatch::choose_prefill_sm90_schedule(hp, head_dim, num_sms, dispatch::shared_memory_per_block(),
+                                               dispatch::l2_cache_bytes()),
+        num_sms,
         stream);
   } else {
     kernels::launch_prefill_sm80(dtype, head_dim, p, stream);
@@ -340,7 +349,7 @@ void batch_prefill(const PrefillArgs& a, cudaStream_t stream) {
   p.q_rows = a.q.size(0);
   p.kv_rows = a.k.size(0);
   const auto kv_len = [&](int64_t i) { return a.host_kv_indptr[i + 1] - a.host_kv_indptr[i]; };
-  p.uniform_lengths = lengths_uniform(a.host_qo_indptr, p.batch_size, kv_len);
+  summarize_lengths(a.host_qo_indptr, p.batch_size, kv_len, p);
   p.work_weighted_row_keys =
       dispatch::work_weighted_row_keys(a.host_qo_indptr, a.host_kv_indptr, p.batch_size, p.causal, p.window_left);
   detail::launch_prefill(p, path, a.q.dtype, static_cast<int>(a.q.size(2)), stream);

@@ -337,7 +337,7 @@ std::atomic<int> g_forced_block_n{0};
 constexpr int64_t kWideKvTileMinKeys = 2400;
 constexpr int kWideKvTileKeys = 192;
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::PrefillParams& p, int head_dim,
-                                                             int num_sms);
+                                                             int num_sms, int64_t l2_cache_bytes);
 }  // namespace
 
 int prefill_gqa_pack_limit(int num_qo_heads, int num_kv_heads) {
@@ -439,15 +439,16 @@ int choose_prefill_sm90_block_n(const kernels::PrefillParams& p, int head_dim, i
 }
 
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& p, int head_dim,
-                                                                int num_sms, int shared_memory_per_block) {
-  kernels::sm90::PrefillSm90Schedule s = choose_prefill_sm90_order(p, head_dim, num_sms);
+                                                                int num_sms, int shared_memory_per_block,
+                                                                int64_t l2_cache_bytes) {
+  kernels::sm90::PrefillSm90Schedule s = choose_prefill_sm90_order(p, head_dim, num_sms, l2_cache_bytes);
   s.block_n = choose_prefill_sm90_block_n(p, head_dim, shared_memory_per_block);
   return s;
 }
 
 namespace {
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::PrefillParams& p, int head_dim,
-                                                             int num_sms) {
+                                                             int num_sms, int64_t l2_cache_bytes) {
   using namespace kernels::sm90;
   if (p.step != nullptr) {
     // A fixed-grid launch (a CUDA graph's) walks the plan's schedule (plan/prefill_schedule.h),
@@ -471,7 +472,16 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::Pref
   //   neighbours (equal runs: no pairing by cost);
   // - causal batches whose lengths differ (chunked prefill beside decode-like requests) or whose
   //   pairs would leave SMs idle (fewer than two tiles per SM: the pairs halve the grid): one tile
-  //   per CTA, heaviest first, the hardware filling SMs as they free up.
+  //   per CTA, heaviest first, the hardware filling SMs as they free up. Where every request's
+  //   query tiles cost within 2x of each other (at least as many keys before its chunk as in it:
+  //   chunked prefill) and the batch's K / V outgrow the L2, each head's query tiles go together
+  //   instead (heaviest first within the head): the last query tile of every head first makes
+  //   each wave stream every head's K / V from DRAM again. Same binary, two rounds (H100, notes/
+  //   prefill_paged.md): 128 query tokens x 8 requests over 8K / 32K / 64K keys (GQA 4, pages of
+  //   16) 542 / 557 / 563 against 493 / 503 / 505 TFLOP/s (DRAM read 545 -> ~270 MB at 8K), 512 x 2
+  //   over 8K (64 MB of K / V) 551 / 557 against 537 / 534; 1024 x 1 over 8K (32 MB, inside the
+  //   L2) 549 / 547 against 551 / 556: there the order does not matter for DRAM and the global
+  //   heaviest-first balances better.
   const int64_t block_m = prefill_sm90_block_m(head_dim);
   const int64_t m_tiles = ((int64_t(p.max_qo_len) << p.gqa_pack) + block_m - 1) / block_m;
   const int64_t tiles = int64_t(p.batch_size) * (p.num_qo_heads >> p.gqa_pack) * m_tiles;
@@ -481,8 +491,11 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::Pref
     s.order = TileOrder::kQueryTilesInner;
   } else if (p.causal && (head_dim == 256 || !p.uniform_lengths || tiles < 2 * int64_t(num_sms))) {
     s.scheduler = SchedulerKind::kSingleTile;
-    s.order = TileOrder::kQueryTilesOuter;
     s.heavy_first = true;
+    const int64_t kv_bytes = p.total_keys * p.num_kv_heads * head_dim * 2 /* K and V */ * 2 /* bytes */;
+    const bool chunks_over_history = p.shortest_history >= p.max_qo_len && p.max_qo_len > 0;
+    s.order = chunks_over_history && l2_cache_bytes > 0 && kv_bytes > l2_cache_bytes ? TileOrder::kQueryTilesInner
+                                                                                      : TileOrder::kQueryTilesOuter;
   } else if (p.causal) {
     s.scheduler = SchedulerKind::kStaticPersistent;
     s.order = TileOrder::kMirroredPairs;
@@ -496,6 +509,7 @@ kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_order(const kernels::Pref
 }  // namespace
 
 int sm_count() { return current_device_attribute<cudaDevAttrMultiProcessorCount>(); }
+int64_t l2_cache_bytes() { return current_device_attribute<cudaDevAttrL2CacheSize>(); }
 int compute_capability() {
   return current_device_attribute<cudaDevAttrComputeCapabilityMajor>() * 10 +
          current_device_attribute<cudaDevAttrComputeCapabilityMinor>();

@@ -47,9 +47,12 @@ PrefillChoice choose_prefill(AttentionPath requested, int cc_major, int cc_minor
 // The Hopper family's tile order and scheduler for a problem (the measured policy of
 // notes/prefill_hopper.md), unless a test or benchmark forced one (nullptr lifts it).
 // shared_memory_per_block: what the GPU allows (shared_memory_per_block()), 0 not checked; it
-// bounds the K / V tile width (choose_prefill_sm90_block_n).
+// bounds the K / V tile width (choose_prefill_sm90_block_n). l2_cache_bytes: the GPU's L2
+// (l2_cache_bytes()), 0 unknown; it decides whether a one-tile grid keeps a head's query tiles
+// together.
 kernels::sm90::PrefillSm90Schedule choose_prefill_sm90_schedule(const kernels::PrefillParams& params, int head_dim,
-                                                                int num_sms, int shared_memory_per_block = 0);
+                                                                int num_sms, int shared_memory_per_block = 0,
+                                                                int64_t l2_cache_bytes = 0);
 void force_prefill_sm90_schedule(const kernels::sm90::PrefillSm90Schedule* schedule);
 // Keys per K / V tile (PrefillSm90Schedule::block_n) for a problem: hd128 with ragged K / V takes
 // 192 where rows see many keys (PrefillParams::work_weighted_row_keys), every other case the head
@@ -77,5 +80,7 @@ int forced_prefill_kv_splits();
 // SMs of the current GPU and its compute capability as major * 10 + minor (read once per device).
 int sm_count();
 int compute_capability();
+// The current GPU's L2 cache in bytes.
+int64_t l2_cache_bytes();
 
 }  // namespace tessera::dispatch

@@ -148,6 +148,34 @@ TEST(PrefillDispatch, HopperSchedulePolicy) {
   p.max_qo_len = 512;  // 2 x 32 x 4 = 256 tiles < 2 x 132
   EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms).scheduler, SchedulerKind::kSingleTile);
   EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, 64).order, TileOrder::kMirroredPairs);
+  // One-tile causal grids of chunked prefill (a chunk over a longer history) keep each head's
+  // query tiles together once the batch's K / V outgrow the L2, so a wave does not stream every
+  // head's K / V again; inside the L2, or where the tiles' costs differ more than 2x (a history
+  // shorter than the chunk), the heaviest tiles of all heads go first.
+  const int64_t l2 = int64_t(50) << 20;
+  p.max_qo_len = 128;
+  p.batch_size = 8;
+  p.gqa_pack = 2;  // 8 requests x 8 KV heads x 4 tiles of 128 packed rows = 256 tiles
+  p.shortest_history = 8192 - 128;
+  p.total_keys = 8 * 8192;  // x 8 KV heads x 128 x 2 x 2 bytes = 268 MB
+  s = dispatch::choose_prefill_sm90_schedule(p, 128, sms, 0, l2);
+  EXPECT_EQ(s.scheduler, SchedulerKind::kSingleTile);
+  EXPECT_EQ(s.order, TileOrder::kQueryTilesInner);
+  EXPECT_TRUE(s.heavy_first);
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms, 0, 0).order, TileOrder::kQueryTilesOuter);  // L2 unknown
+  p.total_keys = 2 * 8192;  // 67 MB
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms, 0, l2).order, TileOrder::kQueryTilesInner);
+  p.total_keys = 8192;  // 33.5 MB: inside the L2
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms, 0, l2).order, TileOrder::kQueryTilesOuter);
+  p.total_keys = 8 * 8192;
+  p.shortest_history = 100;  // a history shorter than the chunk: costs spread over more than 2x
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms, 0, l2).order, TileOrder::kQueryTilesOuter);
+  p.shortest_history = -1;  // not computed
+  EXPECT_EQ(dispatch::choose_prefill_sm90_schedule(p, 128, sms, 0, l2).order, TileOrder::kQueryTilesOuter);
+  p.gqa_pack = 0;
+  p.batch_size = 2;
+  p.max_qo_len = 512;
+  p.total_keys = 0;
   // A KV split: persistent over the list, no pairs.
   p.kv_splits = 4;
   s = dispatch::choose_prefill_sm90_schedule(p, 128, sms);

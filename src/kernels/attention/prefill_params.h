@@ -65,6 +65,12 @@ struct PrefillParams {
   // From the host copies: every request has the same qo_len and the same kv_len (the Hopper
   // family's schedule pairs tiles by cost only then; prefill_dispatch.cpp).
   bool uniform_lengths = true;
+  // From the host copies: the fewest keys a request has before its first query row (kv_len -
+  // qo_len over the requests with rows; -1: not computed) and the keys of all requests. The Hopper
+  // family's one-tile causal grids keep a head's query tiles together when those keys' K / V
+  // outgrow the L2 (prefill_dispatch.cpp).
+  int64_t shortest_history = -1;
+  int64_t total_keys = 0;
   // From the host copies: the keys a query row sees under the mask, averaged over the batch's rows
   // weighted by those keys, so by where the work is (sum of k_r^2 over sum of k_r; 0: not
   // computed). The Hopper family picks its hd128 K / V tile width by it (prefill_dispatch.cpp).

@@ -73,7 +73,9 @@ struct PrefillSm90Config {
   // The paged sources take tiles of at most 128 keys (the gather copies two rows per producer lane
   // pair; the TMA page boxes were sized and tested for them): wider tiles are for ragged K / V.
   static constexpr bool kPagedSources = kBlockN <= 128;
-  static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? TESSERA_SM90_HD128_STAGES : 2;
+  // (TESSERA_SM90_HD128_STAGES: the 128-key tiles'; three stages leave no room for O tiles, so O is
+  // then staged in a V stage. The wide tiles fit two.)
+  static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? (kBlockN > 128 ? 2 : TESSERA_SM90_HD128_STAGES) : 2;
   // The consumer warpgroups take turns issuing their products (FA3's ping-pong, round robin):
   // while one runs its softmax the others have the tensor cores. Same run (notes/prefill_hopper.md
   // v4): hd128 674 vs 577 TFLOP/s at 8K, 547 vs 490 at 1K; hd64 (three consumers) 544 vs 519;
