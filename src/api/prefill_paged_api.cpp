@@ -59,6 +59,13 @@ struct StepImage {
   std::size_t qo_indptr = 0, kv_indptr = 0, last_page_len = 0, slot_begin = 0, slot_tiles = 0;  // int32 offsets
   std::size_t max_tiles = 0;  // the schedule's positions, at most
 };
+// plan() copies at least this much of the image. The driver writes a smaller pinned copy into its
+// command stream on the calling thread, at the CPU's pace; from some size on it hands it to the
+// copy engine for a fixed cost: on the H200 machine's host cudaMemcpyAsync took 3.3 us at 4 KB and
+// 5.7 us at 16 KB, 2.1-2.3 us at 40 KB to 640 KB (notes/prefill_paged.md). Past the step's image
+// the copy carries what earlier steps left in the staging buffer (zeros at first), which the
+// kernels do not read.
+constexpr std::size_t kMinStepCopyBytes = std::size_t(64) << 10;
 // Query rows of the smallest tile either family runs (Hopper hd64 takes 192, the others 128).
 constexpr std::size_t kSmallestBlockM = 64;
 StepImage step_image(const PagedPrefillConfig& c) {
@@ -74,7 +81,7 @@ StepImage step_image(const PagedPrefillConfig& c) {
   // Tiles with rows: sum of ceil(qo_len / block_m) <= max_q_rows / block_m + batch, per head and split.
   im.max_tiles = std::size_t(c.num_qo_heads) * c.max_kv_splits *
                  ((std::size_t(c.max_q_rows) + kSmallestBlockM - 1) / kSmallestBlockM + c.max_batch_size);
-  im.bytes = (im.slot_tiles + im.max_tiles) * sizeof(int32_t);
+  im.bytes = std::max((im.slot_tiles + im.max_tiles) * sizeof(int32_t), kMinStepCopyBytes);
   return im;
 }
 
@@ -262,6 +269,7 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
     fixed_ = std::make_unique<FixedGrid>();
     fixed_->device = device;
     TESSERA_CUDA_CHECK(cudaMallocHost(&fixed_->staging, step_image(config).bytes));
+    std::memset(fixed_->staging, 0, step_image(config).bytes);  // (plan() copies past the image)
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&fixed_->copied, cudaEventDisableTiming));
   }
 }
@@ -309,11 +317,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     TESSERA_REQUIRE(check, batch <= config_.max_batch_size, "kv_indptr",
                     "batch size " + std::to_string(batch) + " exceeds the config's max_batch_size " +
                         std::to_string(config_.max_batch_size));
-    for (int32_t r = 0; r < kv.num_rows; ++r) {
-      TESSERA_REQUIRE(check, kv.row_tokens(r) <= format::kMaxRowTokens, "kv_indptr",
-                      "request " + std::to_string(r) + " holds " + std::to_string(kv.row_tokens(r)) +
-                          " tokens; at most 2^31 - 2^16 are supported");
-    }
+    // (Each request's keys, at most format::kMaxRowTokens, are checked in the pass below.)
     if (fixed_->captured) {
       TESSERA_REQUIRE(check, host_qo_indptr[batch] <= fixed_->q_rows, "qo_indptr",
                       "the step has " + std::to_string(host_qo_indptr[batch]) +
@@ -339,6 +343,13 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     hopper_tiles += plan::query_tiles(qo, hopper_run.block_m);
     const int64_t pages = table.host_indptr[r + 1] - table.host_indptr[r];
     longest = std::max(longest, pages);
+    // The fixed grid's kernels count a request's keys in 32 bits (the request's rows and pages in
+    // one pass: ~1.5 ns a request each at 1024 requests).
+    if (fixed_) {
+      TESSERA_REQUIRE(check, kv.row_tokens(static_cast<int32_t>(r)) <= format::kMaxRowTokens, "kv_indptr",
+                      "request " + std::to_string(r) + " holds " + std::to_string(kv.row_tokens(static_cast<int32_t>(r))) +
+                          " tokens; at most 2^31 - 2^16 are supported");
+    }
   }
   tiles *= config_.num_qo_heads;
   const int64_t hopper_query_tiles = hopper_tiles;  // (the schedule's count, per head)
@@ -481,7 +492,8 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   std::memcpy(image + layout.qo_indptr, host_qo_indptr, sizeof(int32_t) * (batch + 1));
   std::memcpy(image + layout.kv_indptr, table.host_indptr, sizeof(int32_t) * (batch + 1));
   std::memcpy(image + layout.last_page_len, table.host_last_page_len, sizeof(int32_t) * batch);
-  const std::size_t bytes = sizeof(int32_t) * (layout.slot_tiles + std::size_t(fixed_->schedule.tiles));
+  const std::size_t bytes =
+      std::max(sizeof(int32_t) * (layout.slot_tiles + std::size_t(fixed_->schedule.tiles)), kMinStepCopyBytes);
   TESSERA_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<unsigned char*>(workspace_) + layout.offset, image, bytes,
                                      cudaMemcpyHostToDevice, stream));
   TESSERA_CUDA_CHECK(cudaEventRecord(fixed_->copied, stream));

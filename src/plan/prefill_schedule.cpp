@@ -167,6 +167,19 @@ QueryCounts query_counts(const PrefillScheduleProblem& pr) {
   return counts;
 }
 
+// The scatter below writes `positions` a tile at a time across every slot's list at once, so
+// each cache line is written by picks far apart; where the list is not in the caches (a serving
+// step's plan(): the step's other work ran in between) each line's first write misses, one at a
+// time. A read of every line first, in address order, lets the hardware prefetch them as a stream:
+// serving_b1024 GQA 4, caches evicted before each call, 35.8 -> 28.0 us (hot 20.8; development
+// CPU; notes/prefill_paged.md).
+void touch_for_writes(const int32_t* positions, int64_t count) {
+  constexpr int64_t kPerLine = 64 / sizeof(int32_t);
+  int32_t sum = 0;
+  for (int64_t i = 0; i < count; i += kPerLine) sum += static_cast<const volatile int32_t*>(positions)[i];
+  (void)sum;
+}
+
 }  // namespace
 
 int64_t prefill_schedule_tiles(const PrefillScheduleProblem& pr) {
@@ -249,6 +262,7 @@ PrefillScheduleResult schedule_prefill(const PrefillScheduleProblem& pr, int32_t
   }
   slot_begin[0] = 0;
   for (size_t s = 0; s < slots; ++s) slot_begin[s + 1] = slot_begin[s] + count[s];
+  touch_for_writes(positions, tiles);
   const int32_t heads32 = static_cast<int32_t>(heads), head_stride32 = static_cast<int32_t>(head_stride);
   const int64_t* pick = log;
   if (count_bits > 0) {

@@ -780,11 +780,19 @@ TEST(BadInputPrefillPaged, CudaGraphConfig) {
   expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "1..65535"});
   c.max_batch_size = 32;
   // The step header (8 int32), its three index arrays, the schedule's slot offsets (1025) and its
-  // tiles: heads x splits x (max_q_rows / 64 + max_batch) at most.
-  auto image = [&](std::size_t splits) { return 4 * (8 + 33 + 33 + 32 + 1025 + 8 * splits * (256 / 64 + 32)); };
-  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), (plain + 255) / 256 * 256 + image(16));
+  // tiles: heads x splits x (max_q_rows / 64 + max_batch) at most; at least 64 KB (what plan()
+  // copies at least: the copy engine's size, not the command stream's).
+  auto image = [&](std::size_t splits, std::size_t rows) {
+    return std::max<std::size_t>(4 * (8 + 33 + 33 + 32 + 1025 + 8 * splits * (rows / 64 + 32)), 64 << 10);
+  };
+  EXPECT_EQ(image(16, 256), std::size_t(64) << 10);  // (under the floor)
+  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), (plain + 255) / 256 * 256 + image(16, 256));
   c.max_kv_splits = 1;  // no partials: the image alone
-  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), image(1));
+  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), image(1, 256));
+  c.max_q_rows = 131072;  // over the floor
+  EXPECT_GT(image(1, 131072), std::size_t(64) << 10);
+  EXPECT_EQ(BatchPrefillPaged::workspace_bytes(c), image(1, 131072));
+  c.max_q_rows = 256;
   c.cuda_graph = false;
   c.max_batch_size = -1;
   expect_error([&] { BatchPrefillPaged::workspace_bytes(c); }, {"argument 'max_batch_size'", "must be in 0..65535"});
