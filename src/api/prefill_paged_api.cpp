@@ -294,9 +294,13 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                   "must be 1-D with batch_size + 1 >= 1 entries");
   const int64_t batch = table.batch_size();
   check.indptr_host(host_qo_indptr, batch + 1, "qo_indptr", config_.max_q_rows, /*exact_end=*/false);
-  // The page ids the table names lie inside kv_indices (plan() reads that many host ids).
+  // The page ids the table names lie inside kv_indices (plan() reads that many host ids); that
+  // kv_indptr starts at 0 and never decreases, check_bsr below checks in its pass over the
+  // requests (one pass, not two: ~1.5 ns a request each at 1024 requests).
   if (table.indices.rank == 1) {
-    check.indptr_host(table.host_indptr, batch + 1, "kv_indptr", table.indices.size(0), /*exact_end=*/false);
+    TESSERA_REQUIRE(check, table.host_indptr[batch] <= table.indices.size(0), "kv_indptr",
+                    "last entry " + std::to_string(table.host_indptr[batch]) + " exceeds " +
+                        std::to_string(table.indices.size(0)));
   }
   TESSERA_REQUIRE(check, num_pages >= -1, "num_pages", "must be >= 0 (the cache's pages) or -1 (not given)");
   const format::BsrLayout kv = format::bsr_from_page_table(config_.page_size, static_cast<int32_t>(batch),
