@@ -2,6 +2,7 @@
 // (the record's tessera side) on the last line. bench/run_bench.py feeds it the case files of
 // bench/cases and merges the peers' figures measured in the same run.
 //   tessera_bench ceiling [bytes=N] (the streamed buffer; default 4 GiB)
+//   tessera_bench host_calls [iterations=50] (host cost of plan()'s CUDA calls; copy enqueue by size)
 //   tessera_bench append name=b8_a8192_nhd batch=8 append_len=8192 num_kv_heads=8 head_dim=128 page_size=16 layout=NHD
 //   tessera_bench merge name=... rows=16384 heads=32 head_dim=128 n=2 in_dtype=bf16 out_dtype=bf16
 //   tessera_bench decode name=b64_kv4096_p16 batch=64 kv_len=4096 num_qo_heads=32 num_kv_heads=8 head_dim=128 page_size=16
@@ -1075,9 +1076,52 @@ int bench_moe_layer(const Args& a) {
 
 }  // namespace
 
+// The host cost of the CUDA calls a plan() makes, on this machine: cudaMemcpyAsync of pinned host
+// memory to the device by size (the enqueue only, the GPU idle; the driver copies small ones into
+// its command stream on the calling thread: BatchPrefillPaged's kMinStepCopyBytes), and the
+// capture query, event wait and event record around it. Medians of 50, microseconds.
+int bench_host_calls(const Args& a) {
+  const int iterations = static_cast<int>(arg_int(a, "iterations", "50"));
+  constexpr size_t kMost = size_t(1) << 20;
+  Buffer device(kMost);
+  void* pinned = nullptr;
+  cuda_ok(cudaMallocHost(&pinned, kMost), "pinned");
+  std::memset(pinned, 1, kMost);
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  cudaEvent_t event;
+  cuda_ok(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event");
+  cuda_ok(cudaEventRecord(event, stream), "event");
+  auto median_us = [&](auto&& call) {
+    std::vector<double> us(static_cast<size_t>(iterations), 0.0);
+    for (double& u : us) {
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+      const auto t0 = std::chrono::steady_clock::now();
+      call();
+      u = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::nth_element(us.begin(), us.begin() + iterations / 2, us.end());
+    return us[size_t(iterations / 2)];
+  };
+  cudaStreamCaptureStatus status;
+  std::printf("{\"suite\": \"host_calls\", \"stream_is_capturing_us\": %.2f, \"event_synchronize_done_us\": %.2f, "
+              "\"event_record_us\": %.2f}\n",
+              median_us([&] { cudaStreamIsCapturing(stream, &status); }), median_us([&] { cudaEventSynchronize(event); }),
+              median_us([&] { cudaEventRecord(event, stream); }));
+  for (const size_t kb : {4, 8, 16, 24, 32, 40, 48, 64, 128, 640}) {
+    const double us = median_us([&] { cudaMemcpyAsync(device.get(), pinned, kb << 10, cudaMemcpyHostToDevice, stream); });
+    std::printf("{\"suite\": \"host_calls\", \"memcpy_async_pinned_kb\": %zu, \"enqueue_us\": %.2f}\n", kb, us);
+  }
+  cuda_ok(cudaStreamSynchronize(stream), "sync");
+  cudaEventDestroy(event);
+  cudaStreamDestroy(stream);
+  cudaFreeHost(pinned);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: tessera_bench ceiling | append | merge | decode | prefill | prefill_portable | "
+    std::fprintf(stderr, "usage: tessera_bench ceiling | host_calls | append | merge | decode | prefill | prefill_portable | "
                          "prefill_paged | prefill_plan | memory | moe_gemm | moe_layer key=value...\n");
     return 2;
   }
@@ -1101,6 +1145,7 @@ int main(int argc, char** argv) {
                   info.name.c_str(), bytes, c.copy_tbs, c.read_tbs, c.launch_us);
       return 0;
     }
+    if (suite == "host_calls") return bench_host_calls(a);
     if (suite == "append") return bench_append(a);
     if (suite == "merge") return bench_merge(a);
     if (suite == "decode") return bench_decode(a);
