@@ -116,6 +116,15 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, Mbarrier* ba
       : "memory");
 }
 
+// A 3-D box at (c0, c1, c2) of `map` into the L2 only (no shared memory, no barrier): a later load
+// of the same box then reads L2, not memory.
+__device__ __forceinline__ void tma_prefetch_l2_3d(const CUtensorMap* map, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
 // A 3-D box at (c0, c1, c2) of `map` into shared memory at `dst`, completing on `bar`.
 __device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, Mbarrier* bar, void* dst, int c0, int c1,
                                             int c2) {

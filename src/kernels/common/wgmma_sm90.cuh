@@ -86,6 +86,11 @@ struct Sw128Tile {
 #pragma unroll
     for (int c = 0; c < kColBlocks; ++c) tma_load_3d(map, bar, block(c), c * kBlockCols, head, row0);
   }
+  // The boxes load() would copy, into the L2 only.
+  __device__ static void prefetch_l2(const CUtensorMap* map, int head, int row0) {
+#pragma unroll
+    for (int c = 0; c < kColBlocks; ++c) tma_prefetch_l2_3d(map, c * kBlockCols, head, row0);
+  }
 };
 
 // The same operands with the column blocks interleaved per 8-row group: group g (rows 8g .. 8g + 7)

@@ -26,6 +26,20 @@
 
 namespace tessera::kernels::sm90 {
 
+// Ablation switches of the work-tile boundary (notes/prefill_hopper.md, "What FA3 does at the
+// work-tile boundary"), off by default (as #if: the default kernels are the same machine code as
+// without them):
+// TESSERA_SM90_K_BEFORE_Q=1 issues a work tile's first K before waiting for Q's buffer (the
+// consumers free the K stage a KV tile before they free Q), so only Q's copy is left at the
+// boundary; TESSERA_SM90_PREFETCH_NEXT_Q=1 prefetches the next work tile's Q boxes into the L2 once
+// this tile's copies are issued, so that Q's copy reads L2.
+#ifndef TESSERA_SM90_K_BEFORE_Q
+#define TESSERA_SM90_K_BEFORE_Q 0
+#endif
+#ifndef TESSERA_SM90_PREFETCH_NEXT_Q
+#define TESSERA_SM90_PREFETCH_NEXT_Q 0
+#endif
+
 template <typename T, typename Config, typename Scheduler, typename KV>
 __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p,
                                                       const PrefillSm90Smem<T, Config, KV::kGroupedTiles>& smem) {
@@ -77,6 +91,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     // What the first KV tile's copies read (paged: page ids), looked up before the waits.
     auto where = KV::locate(p, w.kv_start, w.kv_len, (w.end_kv_tile - 1) * kBlockN, thread);
     const int q_slot = q_ring.stage;
+#if !TESSERA_SM90_K_BEFORE_Q
     if (KV::kProducerWarps == 1 || thread < 32) {
       bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
       if (lane == 0) {
@@ -84,12 +99,25 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
         smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
       }
     }
+#else
+    const uint32_t q_free_parity = q_ring.phase ^ 1;
+#endif
     q_ring.advance();
     for (int tile = w.end_kv_tile - 1; tile >= w.first_kv_tile; --tile) {
       const int n0 = tile * kBlockN;
       const int s = ring.stage;
       bar.k_empty[s].wait(ring.phase ^ 1);
       KV::template load<KVOperand::kKeys>(p, smem.k(s), bar.k_full[s], w.kv_head, where, thread);
+#if TESSERA_SM90_K_BEFORE_Q
+      // The tile's Q once its first K is out (the K stage frees a KV tile before Q's buffer does).
+      if (tile == w.end_kv_tile - 1 && (KV::kProducerWarps == 1 || thread < 32)) {
+        bar.q_empty[q_slot].wait(q_free_parity);
+        if (lane == 0) {
+          bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
+          smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
+        }
+      }
+#endif
       bar.v_empty[s].wait(ring.phase ^ 1);
       if (Config::kOSharesV && o_staged && tile == w.end_kv_tile - 1) {
         bar.o_read.wait(o_read_phase);
@@ -105,6 +133,17 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     }
     zero_pending();
     o_staged = true;
+#if TESSERA_SM90_PREFETCH_NEXT_Q
+    // The next work tile's Q, into the L2 while this tile computes (its request's index entries
+    // are read here once more, while the producer waits on the ring anyway; every producer lane
+    // decodes it: make_work_tile shuffles within the warp).
+    const int next = Scheduler::next(p, position);
+    if (next < Scheduler::tiles(p)) {
+      const WorkTile n = make_work_tile<kBlockM, kBlockN, KV, Scheduler>(p, next);
+      if (thread == 0 && n.has_rows() && n.kv_tiles() > 0)
+        Smem::QTile::prefetch_l2(&p.q_map, n.head, n.q_start + n.token(n.m0));
+    }
+#endif
   }
 }
 
