@@ -268,8 +268,9 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
                     "must be device memory (cudaMalloc) with cuda_graph or max_batch_size (plan() copies the step there)");
     fixed_ = std::make_unique<FixedGrid>();
     fixed_->device = device;
-    TESSERA_CUDA_CHECK(cudaMallocHost(&fixed_->staging, step_image(config).bytes));
-    std::memset(fixed_->staging, 0, step_image(config).bytes);  // (plan() copies past the image)
+    const std::size_t staging_bytes = step_image(config).bytes;
+    TESSERA_CUDA_CHECK(cudaMallocHost(&fixed_->staging, staging_bytes));
+    std::memset(fixed_->staging, 0, staging_bytes);  // (plan() copies past the image)
     TESSERA_CUDA_CHECK(cudaEventCreateWithFlags(&fixed_->copied, cudaEventDisableTiming));
   }
 }
