@@ -23,6 +23,14 @@
 
 namespace tessera::kernels::sm90 {
 
+// Ablation switch (notes/prefill_hopper.md, "What FA3 does at the work-tile boundary"): 0 issues a
+// work tile's first S and last P V outside the ping-pong's turns, as FA3 does (only the loop's
+// products take turns; every consumer still takes as many turns as the others, so the round robin
+// holds). As #if: the default kernels are the same machine code as without it.
+#ifndef TESSERA_SM90_BOUNDARY_TURNS
+#define TESSERA_SM90_BOUNDARY_TURNS 1
+#endif
+
 // Scheduler: the list's walk and shape (tile_scheduler_sm90.cuh); here it says whether the
 // epilogue writes split partials.
 template <typename T, typename Config, typename Logits, typename KV, typename Scheduler>
@@ -60,6 +68,17 @@ struct PrefillConsumer {
   }
   __device__ void pass_turn() const {
     if constexpr (Config::kPingPong) named_barrier_arrive(kTurnBarrier + (consumer + 1) % Config::kConsumers, 256);
+  }
+  // A work tile's first S and last P V (TESSERA_SM90_BOUNDARY_TURNS).
+  __device__ void take_boundary_turn() const {
+#if TESSERA_SM90_BOUNDARY_TURNS
+    take_turn();
+#endif
+  }
+  __device__ void pass_boundary_turn() const {
+#if TESSERA_SM90_BOUNDARY_TURNS
+    pass_turn();
+#endif
   }
   // Consumer 0 takes the first turn: the last consumer starts by handing it over; at the end
   // consumer 0 takes the turn the last one passed, so no barrier is left with arrivals pending
@@ -272,10 +291,10 @@ struct PrefillConsumer {
       // The first tile: S, softmax, P.
       wait_keys(ring);
       fence_registers(s);
-      take_turn();
+      take_boundary_turn();
       wgmma_fence();
       issue_scores(s, ring.stage);
-      pass_turn();
+      pass_boundary_turn();
       wgmma_wait<0>();
       timeline.stamp(kFirstScores);
       fence_registers(s);
@@ -328,10 +347,10 @@ struct PrefillConsumer {
       wait_values(prev, prev_partial);
       fence_registers(o);
       fence_registers(pf);
-      take_turn();
+      take_boundary_turn();
       wgmma_fence();
       issue_values(pf, o, prev.stage);
-      pass_turn();
+      pass_boundary_turn();
       wgmma_wait<0>();
       timeline.stamp(kLastValues);
       fence_registers(o);
