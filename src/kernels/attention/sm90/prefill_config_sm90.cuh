@@ -50,6 +50,11 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_O_IN_V
 #define TESSERA_SM90_O_IN_V 1
 #endif
+// setmaxnreg's producer budget with two consumer warpgroups (24 or 32: 32 x 128 + 240 x 256 is
+// the whole register file); the gathered-page producers spill at 24.
+#ifndef TESSERA_SM90_PRODUCER_REGISTERS_2C
+#define TESSERA_SM90_PRODUCER_REGISTERS_2C 24
+#endif
 // TESSERA_SM90_LAZY_RESCALE sets the conditional O rescale of every head dim (default: hd256 only).
 #ifndef TESSERA_SM90_LAZY_RESCALE
 #define TESSERA_SM90_LAZY_RESCALE_DEFAULT(hd) ((hd) == 256)
@@ -117,7 +122,7 @@ struct PrefillSm90Config {
   static constexpr bool kLazyRescale = TESSERA_SM90_LAZY_RESCALE_DEFAULT(kHeadDim) != 0;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg budgets: 65536 registers per SM for 128 + 128 kConsumers threads.
-  static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
+  static constexpr int kProducerRegisters = kConsumers == 2 ? TESSERA_SM90_PRODUCER_REGISTERS_2C : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   static_assert(kBlockN % 8 == 0 && kBlockN / 8 <= 32, "a paged tile is at most 32 boxes: one per producer lane");
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
