@@ -92,8 +92,12 @@ struct PrefillConsumer {
 
   // A stage filled through the generic proxy (cp.async: GatheredKVSm90), seen through this
   // thread's barrier wait, is ordered before the wgmma (async proxy) reads of it.
+  // (TESSERA_SM90_GATHER_FENCE=0, a timing experiment only: without the fence the PTX memory model
+  // does not order the copies before the wgmma reads.)
   __device__ static void after_generic_fill() {
+#if !defined(TESSERA_SM90_GATHER_FENCE) || TESSERA_SM90_GATHER_FENCE
     if constexpr (KV::kGenericWrites) fence_async_shared();
+#endif
   }
 
   // One arrival per warp on a barrier counting kConsumers x 4 warps.

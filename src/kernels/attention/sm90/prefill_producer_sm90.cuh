@@ -39,6 +39,14 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_PREFETCH_NEXT_Q
 #define TESSERA_SM90_PREFETCH_NEXT_Q 0
 #endif
+// TESSERA_SM90_K_AHEAD_OF_V=1 runs the K copies one KV tile ahead of the V copies (FlashInfer's
+// sm90 gather order): a work tile's first K, then Q, then per KV tile K of the next tile before V
+// of this one, so a K copy never queues behind the wait for the previous tile's V stage (released
+// after its P V, a KV tile later than its K stage). For the gathered source the producer's issue
+// time is not negligible, so the order decides how early each copy starts.
+#ifndef TESSERA_SM90_K_AHEAD_OF_V
+#define TESSERA_SM90_K_AHEAD_OF_V 0
+#endif
 
 template <typename T, typename Config, typename Scheduler, typename KV>
 __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p,
@@ -51,6 +59,9 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
   const int thread = KV::kProducerWarps == 1 ? lane : int(threadIdx.x);
   auto& bar = smem.barriers();
   RingPosition<Config::kStages> ring;
+#if TESSERA_SM90_K_AHEAD_OF_V
+  RingPosition<Config::kStages> v_ring;  // (ring: the K copies', a KV tile ahead)
+#endif
   RingPosition<Config::kQStages> q_ring;
   // Config::kOSharesV: whether a work tile with KV tiles went before (its O is staged in the stage
   // this one's first V fills), and the parity of o_read's phase that says its stores read it.
@@ -91,6 +102,42 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     // What the first KV tile's copies read (paged: page ids), looked up before the waits.
     auto where = KV::locate(p, w.kv_start, w.kv_len, (w.end_kv_tile - 1) * kBlockN, thread);
     const int q_slot = q_ring.stage;
+#if TESSERA_SM90_K_AHEAD_OF_V
+    const int last = w.end_kv_tile - 1;
+    auto load_keys = [&](const decltype(where)& at) {
+      bar.k_empty[ring.stage].wait(ring.phase ^ 1);
+      KV::template load<KVOperand::kKeys>(p, smem.k(ring.stage), bar.k_full[ring.stage], w.kv_head, at, thread);
+      ring.advance();
+    };
+    load_keys(where);
+    if (KV::kProducerWarps == 1 || thread < 32) {
+      bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
+      if (lane == 0) {
+        bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
+        smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
+      }
+    }
+    q_ring.advance();
+    for (int tile = last; tile >= w.first_kv_tile; --tile) {
+      const int n0 = tile * kBlockN;
+      const auto where_v = where;
+      if (tile > w.first_kv_tile) {
+        where = KV::locate(p, w.kv_start, w.kv_len, n0 - kBlockN, thread);
+        load_keys(where);
+      }
+      const int s = v_ring.stage;
+      bar.v_empty[s].wait(v_ring.phase ^ 1);
+      if (Config::kOSharesV && o_staged && tile == last) {
+        bar.o_read.wait(o_read_phase);
+        o_read_phase ^= 1;
+      }
+      KV::template load<KVOperand::kValues>(p, smem.v(s), bar.v_full[s], w.kv_head, where_v, thread);
+      __syncwarp();
+      zero_pending();
+      if (!KV::kZeroesPastEnd && n0 + kBlockN > w.kv_len) pending = PendingZero{s, v_ring.phase, w.kv_len - n0};
+      v_ring.advance();
+    }
+#else
 #if !TESSERA_SM90_K_BEFORE_Q
     if (KV::kProducerWarps == 1 || thread < 32) {
       bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
@@ -131,6 +178,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
       if (!KV::kZeroesPastEnd && n0 + kBlockN > w.kv_len) pending = PendingZero{s, ring.phase, w.kv_len - n0};
       ring.advance();
     }
+#endif
     zero_pending();
     o_staged = true;
 #if TESSERA_SM90_PREFETCH_NEXT_Q
