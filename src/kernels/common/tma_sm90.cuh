@@ -72,6 +72,20 @@ struct Mbarrier {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(&word)), "r"(bytes)
                  : "memory");
   }
+  // Whether the phase of parity `phase` has completed, without waiting.
+  __device__ bool ready(uint32_t phase) {
+    uint32_t done;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_u32(&word)), "r"(phase)
+        : "memory");
+    return done != 0;
+  }
   // Blocks until the phase of parity `phase` has completed. A barrier starts in phase 0, and the
   // phase "before" it (parity 1) counts as complete: a producer's first wait on an empty slot
   // passes at once.

@@ -72,7 +72,8 @@ struct RaggedKVSm90 {
   static constexpr int kProducerWarps = 1;       // warps of the producer warpgroup that load
   static constexpr int kFullArrivals = 1;        // per fill of a K / V stage (its expect_tx)
   static constexpr bool kZeroesPastEnd = false;  // rows past kv_len come zeroed (else the producer zeroes V's)
-  static constexpr bool kGenericWrites = false;  // fills through the generic proxy (not TMA)
+  static constexpr bool kConsumersFence = false;  // fills through the generic proxy (not TMA): the consumers fence
+  static constexpr bool kWriterFence = false;     // (GatheredKVSm90)
   // The tile's keys (or values) of kv_head into `tile`, completing on `full`.
   template <KVOperand kOperand, typename Tile>
   __device__ static void load(const PrefillSm90Params& p, const Tile& tile, Mbarrier& full, int kv_head,
@@ -123,7 +124,8 @@ struct PagedKVSm90 {
   static constexpr int kProducerWarps = 1;
   static constexpr int kFullArrivals = 1;
   static constexpr bool kZeroesPastEnd = false;
-  static constexpr bool kGenericWrites = false;
+  static constexpr bool kConsumersFence = false;
+  static constexpr bool kWriterFence = false;
   // token_first: the 4-D map's second dim is the token dim (PrefillSm90Params::k/v_token_dim_first).
   template <KVOperand kOperand, typename Tile>
   __device__ static void load(const PrefillSm90Params& p, const Tile& tile, Mbarrier& full, int kv_head,
@@ -170,7 +172,16 @@ struct GatheredKVSm90 {
   static constexpr int kProducerWarps = 4;
   static constexpr int kFullArrivals = 32 * kProducerWarps;  // every producer thread's noinc arrival
   static constexpr bool kZeroesPastEnd = true;
-  static constexpr bool kGenericWrites = true;
+  // TESSERA_SM90_GATHER_WRITER_FENCE=1 (an ablation switch, off by default): the producer, not the
+  // consumers, orders the copies before the wgmma reads: each thread waits for its own copies,
+  // fences (fence.proxy.async) and arrives with a plain arrival, only before a wait that would
+  // block (prefill_producer_sm90.cuh, CopyArrivals); the consumers then do not fence.
+#if defined(TESSERA_SM90_GATHER_WRITER_FENCE) && TESSERA_SM90_GATHER_WRITER_FENCE
+  static constexpr bool kWriterFence = true;
+#else
+  static constexpr bool kWriterFence = false;
+#endif
+  static constexpr bool kConsumersFence = !kWriterFence;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   static_assert(kChunks % 2 == 0 && kChunks <= 32, "lane pairs split a row's chunks");
   static_assert(kBlockN <= 32 * kProducerWarps, "two rows per lane pair and warp half");
@@ -233,7 +244,7 @@ struct GatheredKVSm90 {
     // The slot's previous contents were last read by the consumers' wgmma (async proxy) before
     // they released it on the empty barrier this thread waited on: wgmma completion includes a
     // generic-async proxy fence (PTX ISA 9.7.15.4), so these generic writes come after those reads.
-    full.arrive_after_copies();
+    if constexpr (!kWriterFence) full.arrive_after_copies();
   }
 };
 }  // namespace tessera::kernels::sm90

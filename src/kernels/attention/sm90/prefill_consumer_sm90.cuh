@@ -96,7 +96,7 @@ struct PrefillConsumer {
   // does not order the copies before the wgmma reads.)
   __device__ static void after_generic_fill() {
 #if !defined(TESSERA_SM90_GATHER_FENCE) || TESSERA_SM90_GATHER_FENCE
-    if constexpr (KV::kGenericWrites) fence_async_shared();
+    if constexpr (KV::kConsumersFence) fence_async_shared();
 #endif
   }
 

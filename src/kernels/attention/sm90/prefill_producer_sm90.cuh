@@ -22,6 +22,7 @@
 #include "kernels/attention/sm90/kv_source_sm90.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
 #include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/device_check.cuh"
 
 namespace tessera::kernels::sm90 {
@@ -80,6 +81,36 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     uint32_t phase = 0;
     int valid_rows = 0;
   } pending;
+  // KV::kWriterFence (the gathered source with the writer-side fence): the full barriers this
+  // thread issued copies for and has not arrived on yet (bit s: k_full[s], kStages + s: v_full[s]).
+  // It arrives once its copies have landed and it has fenced them for the async proxy, and only
+  // before a wait that would block: the consumers may be waiting for those copies, and a copy not
+  // waited for keeps the next one's issue from waiting on it.
+  uint32_t unarrived = 0;
+  auto arrive_for_copies = [&] {
+    if constexpr (KV::kWriterFence) {
+      if (unarrived == 0) return;
+      cp_async_wait_all();
+      fence_async_shared();
+#pragma unroll
+      for (int s = 0; s < Config::kStages; ++s) {
+        if (unarrived >> s & 1) bar.k_full[s].arrive();
+        if (unarrived >> (Config::kStages + s) & 1) bar.v_full[s].arrive();
+      }
+      unarrived = 0;
+    }
+  };
+  auto copies_issued = [&](KVOperand operand, int stage) {
+    if constexpr (KV::kWriterFence) unarrived |= 1u << (operand == KVOperand::kKeys ? stage : Config::kStages + stage);
+  };
+  // Every wait of the producer on the consumers (a free slot, Q's buffer, O's stores).
+  auto acquire = [&](Mbarrier& b, uint32_t parity) {
+    if constexpr (KV::kWriterFence) {
+      if (unarrived != 0 && !b.ready(parity)) arrive_for_copies();
+    }
+    b.wait(parity);
+  };
+
   auto zero_pending = [&] {
     if (pending.stage < 0) return;
     bar.v_full[pending.stage].wait(pending.phase);
@@ -105,13 +136,14 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
 #if TESSERA_SM90_K_AHEAD_OF_V
     const int last = w.end_kv_tile - 1;
     auto load_keys = [&](const decltype(where)& at) {
-      bar.k_empty[ring.stage].wait(ring.phase ^ 1);
+      acquire(bar.k_empty[ring.stage], ring.phase ^ 1);
       KV::template load<KVOperand::kKeys>(p, smem.k(ring.stage), bar.k_full[ring.stage], w.kv_head, at, thread);
+      copies_issued(KVOperand::kKeys, ring.stage);
       ring.advance();
     };
     load_keys(where);
     if (KV::kProducerWarps == 1 || thread < 32) {
-      bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
+      acquire(bar.q_empty[q_slot], q_ring.phase ^ 1);
       if (lane == 0) {
         bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
         smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
@@ -126,12 +158,13 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
         load_keys(where);
       }
       const int s = v_ring.stage;
-      bar.v_empty[s].wait(v_ring.phase ^ 1);
+      acquire(bar.v_empty[s], v_ring.phase ^ 1);
       if (Config::kOSharesV && o_staged && tile == last) {
-        bar.o_read.wait(o_read_phase);
+        acquire(bar.o_read, o_read_phase);
         o_read_phase ^= 1;
       }
       KV::template load<KVOperand::kValues>(p, smem.v(s), bar.v_full[s], w.kv_head, where_v, thread);
+      copies_issued(KVOperand::kValues, s);
       __syncwarp();
       zero_pending();
       if (!KV::kZeroesPastEnd && n0 + kBlockN > w.kv_len) pending = PendingZero{s, v_ring.phase, w.kv_len - n0};
@@ -140,7 +173,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
 #else
 #if !TESSERA_SM90_K_BEFORE_Q
     if (KV::kProducerWarps == 1 || thread < 32) {
-      bar.q_empty[q_slot].wait(q_ring.phase ^ 1);
+      acquire(bar.q_empty[q_slot], q_ring.phase ^ 1);
       if (lane == 0) {
         bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
         smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
@@ -153,24 +186,26 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     for (int tile = w.end_kv_tile - 1; tile >= w.first_kv_tile; --tile) {
       const int n0 = tile * kBlockN;
       const int s = ring.stage;
-      bar.k_empty[s].wait(ring.phase ^ 1);
+      acquire(bar.k_empty[s], ring.phase ^ 1);
       KV::template load<KVOperand::kKeys>(p, smem.k(s), bar.k_full[s], w.kv_head, where, thread);
+      copies_issued(KVOperand::kKeys, s);
 #if TESSERA_SM90_K_BEFORE_Q
       // The tile's Q once its first K is out (the K stage frees a KV tile before Q's buffer does).
       if (tile == w.end_kv_tile - 1 && (KV::kProducerWarps == 1 || thread < 32)) {
-        bar.q_empty[q_slot].wait(q_free_parity);
+        acquire(bar.q_empty[q_slot], q_free_parity);
         if (lane == 0) {
           bar.q_full[q_slot].arrive_expect_tx(Smem::QTile::kBytes);
           smem.q(q_slot).load(&p.q_map, &bar.q_full[q_slot], w.head, w.q_start + w.token(w.m0));
         }
       }
 #endif
-      bar.v_empty[s].wait(ring.phase ^ 1);
+      acquire(bar.v_empty[s], ring.phase ^ 1);
       if (Config::kOSharesV && o_staged && tile == w.end_kv_tile - 1) {
-        bar.o_read.wait(o_read_phase);
+        acquire(bar.o_read, o_read_phase);
         o_read_phase ^= 1;
       }
       KV::template load<KVOperand::kValues>(p, smem.v(s), bar.v_full[s], w.kv_head, where, thread);
+      copies_issued(KVOperand::kValues, s);
       // The next tile's lookups go out now; the waits below and at the loop's top hide them.
       if (tile > w.first_kv_tile) where = KV::locate(p, w.kv_start, w.kv_len, n0 - kBlockN, thread);
       __syncwarp();
@@ -193,6 +228,7 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     }
 #endif
   }
+  arrive_for_copies();
 }
 
 }  // namespace tessera::kernels::sm90
