@@ -2,8 +2,8 @@
 # On a machine with a GPU: every GPU test, the benchmarks and the peers in one go.
 #   scripts/run_gpu_all.sh OUTDIR [BUILD_DIR]
 # Writes into OUTDIR: info.txt, run.txt, tests.log (+ tests.xml), sanitizer.log (the summary;
-# sanitizer_<tool>.log and sanitizers.json from scripts/run_sanitizers.sh), bench.log,
-# results.json (tessera and peers from this one run). Reuses BUILD_DIR (default build/) when it
+# sanitizer_<tool>.log and sanitizers.json from scripts/run_sanitizers.sh), host_calls.txt and
+# plan_bench.txt (host costs of plan()), bench.log, results.json (tessera and peers from this one run). Reuses BUILD_DIR (default build/) when it
 # holds a build; otherwise configures and builds it (needs CUTLASS headers: scripts/setup.sh).
 # Environment: TESSERA_COMMIT (recorded in results.json), BENCH_SUITES / PEER_SUITES (comma lists,
 # default all), TEST_FILTER (gtest filter, default all), SKIP_SANITIZER=1, SKIP_BENCH=1,
@@ -49,6 +49,13 @@ else
 fi
 
 [ "${SKIP_BENCH:-0}" = 1 ] && exit $status
+# The host side of plan(): the CUDA calls' cost on this host (copy enqueue by size) and the
+# planners alone (hot and after evicting the caches), for the plan-time targets.
+if [ -x "$build/bench/tessera_plan_bench" ]; then
+  echo "== host costs"
+  "$build/bench/tessera_bench" host_calls > "$out/host_calls.txt" 2>&1 || { echo "host_calls FAILED"; status=1; }
+  "$build/bench/tessera_plan_bench" 2000 > "$out/plan_bench.txt" 2>&1 || { echo "plan_bench FAILED"; status=1; }
+fi
 echo "== benchmarks"
 python3 bench/run_bench.py --bench "$build/bench/tessera_bench" --cases bench/cases \
   --out "$out/results.json" ${TESSERA_COMMIT:+--commit $TESSERA_COMMIT} ${BENCH_SUITES:+--suites $BENCH_SUITES} > "$out/bench.log" 2>&1 || { echo "bench FAILED"; status=1; }
