@@ -30,6 +30,12 @@
 
 namespace tessera::kernels::sm90 {
 
+// Ablation switch (notes/prefill_hopper.md, "The gathered source against FlashInfer's"), see
+// GatheredKVSm90::kWriterFence.
+#ifndef TESSERA_SM90_GATHER_WRITER_FENCE
+#define TESSERA_SM90_GATHER_WRITER_FENCE 0
+#endif
+
 // A KV source reads a request's extent from its RequestEntries and is used in two steps per tile,
 // so the page-id loads of the next tile can be in flight while the producer waits for ring slots
 // (each lookup is a dependent global load); `thread` is the producer thread (0 .. 32
@@ -175,12 +181,8 @@ struct GatheredKVSm90 {
   // TESSERA_SM90_GATHER_WRITER_FENCE=1 (an ablation switch, off by default): the producer, not the
   // consumers, orders the copies before the wgmma reads: each thread waits for its own copies,
   // fences (fence.proxy.async) and arrives with a plain arrival, only before a wait that would
-  // block (prefill_producer_sm90.cuh, CopyArrivals); the consumers then do not fence.
-#if defined(TESSERA_SM90_GATHER_WRITER_FENCE) && TESSERA_SM90_GATHER_WRITER_FENCE
-  static constexpr bool kWriterFence = true;
-#else
-  static constexpr bool kWriterFence = false;
-#endif
+  // block (prefill_producer_sm90.cuh: acquire, arrive_for_copies); the consumers then do not fence.
+  static constexpr bool kWriterFence = TESSERA_SM90_GATHER_WRITER_FENCE != 0;
   static constexpr bool kConsumersFence = !kWriterFence;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   static_assert(kChunks % 2 == 0 && kChunks <= 32, "lane pairs split a row's chunks");

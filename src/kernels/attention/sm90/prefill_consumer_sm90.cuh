@@ -30,6 +30,12 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_BOUNDARY_TURNS
 #define TESSERA_SM90_BOUNDARY_TURNS 1
 #endif
+// Timing experiment only (0): the consumers skip the proxy fence after a gathered K / V stage
+// lands (PrefillConsumer::after_generic_fill); without it the PTX memory model does not order the
+// copies before the wgmma reads.
+#ifndef TESSERA_SM90_GATHER_FENCE
+#define TESSERA_SM90_GATHER_FENCE 1
+#endif
 
 // Scheduler: the list's walk and shape (tile_scheduler_sm90.cuh); here it says whether the
 // epilogue writes split partials.
@@ -92,10 +98,9 @@ struct PrefillConsumer {
 
   // A stage filled through the generic proxy (cp.async: GatheredKVSm90), seen through this
   // thread's barrier wait, is ordered before the wgmma (async proxy) reads of it.
-  // (TESSERA_SM90_GATHER_FENCE=0, a timing experiment only: without the fence the PTX memory model
-  // does not order the copies before the wgmma reads.)
+  // (Not with TESSERA_SM90_GATHER_FENCE=0, a timing experiment.)
   __device__ static void after_generic_fill() {
-#if !defined(TESSERA_SM90_GATHER_FENCE) || TESSERA_SM90_GATHER_FENCE
+#if TESSERA_SM90_GATHER_FENCE
     if constexpr (KV::kConsumersFence) fence_async_shared();
 #endif
   }
