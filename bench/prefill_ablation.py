@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--filter", default="", help="only cases whose name contains this")
     ap.add_argument("--builds", default="", help="name=tessera_bench path, comma-separated (default: --bench)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="seconds one tessera_bench call may take; a call past it counts as failed")
     ap.add_argument("extra", nargs="*")
     args = ap.parse_args()
     with open(args.cases) as f:
@@ -86,7 +88,10 @@ def main():
             for case in cases:
                 for build, v in columns:
                     cmd = [builds[build], spec.get("suite", "prefill")] + case_args(case) + VARIANTS[v] + args.extra
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    try:
+                        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                    except subprocess.TimeoutExpired:
+                        proc = subprocess.CompletedProcess(cmd, -1, "", f"timed out after {args.timeout} s")
                     rec = None
                     for line in reversed(proc.stdout.strip().splitlines()):
                         if line.startswith("{"):
