@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# On a machine with a GPU: the checks and A/B runs still owed, in priority order (the tests of
+# code already on main first), each step's output written as it comes and everything packed into
+# OUTDIR/results.tgz after each step and every 20 s, so a run cut short still returns what it did.
+#   scripts/run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]
+# BINDIR: what scripts/build_gpu_pending.sh wrote (xz binaries and `commit`); missing binaries
+# skip their columns or steps. Steps:
+#   1 GpuPrefillPaged* and GpuValidationTable* (BatchPrefillPaged::plan's copy floor, pre-read, checks)
+#   2 plan time: tessera_bench host_calls, tessera_plan_bench, the prefill_plan serving cases' plan_us
+#   3 A/B of the gathered source's switches on the paged hd128 8K cases (page 16, 1, 1 causal, 7)
+#   4 the paged-prefill and Hopper-prefill tests of the wfkar32 build
+#   5 the decode kernel on the shared parts (branch decode-parts): its decode tests, and the decode
+#     suite against this tree's tessera_bench
+#   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
+#   7 the prefill_paged suite, this tree against the wfkar32 build
+#   8 every other GPU test
+#   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
+set -uo pipefail
+final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
+bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
+first=${3:-1}
+cd "$(dirname "$0")/.."
+mkdir -p "$final"
+out=$(mktemp -d)
+B=$(mktemp -d)
+t0=$(date +%s)
+pack() { tar -czf "$final/results.tgz.tmp" -C "$out" . 2>/dev/null && mv "$final/results.tgz.tmp" "$final/results.tgz"; }
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/progress.txt"; pack; }
+for f in "$bins"/*.xz; do xz -dc "$f" > "$B/$(basename "$f" .xz)" & done
+wait
+chmod +x "$B"/*
+( while sleep 20; do pack; done ) > /dev/null 2>&1 &
+packer=$!
+trap 'kill $packer 2>/dev/null; pack; rm -rf "$B"' EXIT
+commit=$(cat "$bins/commit" 2>/dev/null || git rev-parse HEAD)
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/info.txt" 2>&1
+lscpu | grep -E "Model name|^CPU\(s\)" >> "$out/info.txt"
+step() { [ "$1" -ge "$first" ]; }
+builds_of() {  # base, then each named variant present in $B as bench_NAME
+  local list="base=$B/tessera_bench"
+  for v in "$@"; do [ -x "$B/bench_$v" ] && list="$list,$v=$B/bench_$v"; done
+  echo "$list"
+}
+tests() {  # tests BINARY FILTER LOG TIMEOUT
+  [ -x "$B/$1" ] || { echo "no $1: skipped" | tee -a "$out/progress.txt"; return; }
+  timeout "$4" "$B/$1" --gtest_filter="$2" > "$out/$3" 2>&1
+  echo "$1 ($2) rc=$?" | tee -a "$out/progress.txt"
+  tail -3 "$out/$3" | tee -a "$out/progress.txt"
+  grep -E "^\[  (FAILED|SKIPPED) " "$out/$3" | head -20 | tee -a "$out/progress.txt"
+}
+ablation() {  # ablation BUILDS CASES OUT ROUNDS TIMEOUT [extra prefill_ablation.py arguments]
+  timeout "$5" python3 bench/prefill_ablation.py --builds "$1" --variants auto --rounds "$4" --timeout 20 \
+    --cases "$2" --out "$out/$3.jsonl" "${@:6}" > "$out/$3.txt" 2>&1
+  cat "$out/$3.txt"
+}
+cases=$(mktemp -d)
+python3 - "$cases" <<'EOF'
+import json, sys
+out = sys.argv[1]
+paged = json.load(open("bench/cases/prefill_paged.json"))
+paged["cases"] = [c for c in paged["cases"] if c["name"].startswith("hd128_s8192") and "HND" not in c["name"]]
+json.dump(paged, open(f"{out}/paged_hd128_8k.json", "w"))
+ragged = json.load(open("bench/cases/prefill.json"))
+keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s8192"}
+ragged["cases"] = [c for c in ragged["cases"] if c["name"] in keep]
+json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
+plan = json.load(open("bench/cases/prefill_plan.json"))
+plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
+json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
+EOF
+
+if step 1; then
+  stamp "1 tests of BatchPrefillPaged::plan"
+  tests tessera_tests 'GpuPrefillPaged*:GpuValidationTable*' tests_plan.log 200
+fi
+if step 2; then
+  stamp "2 plan time"
+  timeout 30 "$B/tessera_bench" host_calls > "$out/host_calls.txt" 2>&1
+  [ -x "$B/tessera_plan_bench" ] && timeout 40 "$B/tessera_plan_bench" 2000 prefill_ > "$out/plan_bench.txt" 2>&1
+  timeout 120 python3 bench/run_bench.py --bench "$B/tessera_bench" --cases "$cases" --suites prefill_plan \
+    --out "$out/results_plan.json" --commit "$commit" > "$out/bench_plan.log" 2>&1
+  python3 -c "
+import json; d = json.load(open('$out/results_plan.json'))
+for r in d['records']: print(r['case'], r['tessera'], 'plan_us', r['notes'].get('plan_us'))" 2>&1 | tee -a "$out/progress.txt"
+fi
+if step 3; then
+  stamp "3 A/B of the gathered source (paged hd128 8K)"
+  ablation "$(builds_of wfkar32 kar32 wf ka r32 nf s3 wfr32)" "$cases/paged_hd128_8k.json" ab_paged 1 330
+fi
+if step 4; then
+  stamp "4 tests of the wfkar32 build"
+  tests tests_wfkar32 'GpuPrefillPaged*:GpuPrefillHopper.*:GpuLargeOffsets.PagedPrefill*' tests_wfkar32.log 150
+fi
+if step 5; then
+  stamp "5 decode on the shared parts (branch decode-parts)"
+  tests tests_dec 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_dec.log 120
+  [ -x "$B/benchfull_dec" ] && ablation "base=$B/tessera_bench,dec=$B/benchfull_dec" bench/cases/decode.json ab_decode 2 260
+fi
+if step 6; then
+  stamp "6 A/B of the work-tile boundary (ragged hd128)"
+  ablation "$(builds_of t kp kpt ka kar32)" "$cases/ragged_hd128.json" ab_ragged 2 200
+fi
+if step 7; then
+  stamp "7 prefill_paged suite, this tree against wfkar32"
+  [ -x "$B/benchfull_wfkar32" ] && ablation "base=$B/tessera_bench,wfkar32=$B/benchfull_wfkar32" bench/cases/prefill_paged.json paged_suite 1 160
+fi
+if step 8; then
+  stamp "8 every other GPU test"
+  tests tessera_tests 'Gpu*:-GpuPrefillPaged*:GpuValidationTable*' tests_rest.log 300
+fi
+if step 9; then
+  stamp "9 prefill_plan serving cases and the prefill suite with peers"
+  [ -f "$out/results_plan.json" ] || timeout 120 python3 bench/run_bench.py --bench "$B/tessera_bench" --cases "$cases" \
+    --suites prefill_plan --out "$out/results_plan.json" --commit "$commit" > "$out/bench_plan.log" 2>&1
+  timeout 120 python3 bench/peers.py --cases "$cases" --suites prefill_plan --no-flex --no-flashinfer --commit "$commit" \
+    --out "$out/results_plan.json" --merge-into "$out/results_plan.json" > "$out/peers_plan.log" 2>&1
+  timeout 150 python3 bench/run_bench.py --bench "$B/tessera_bench" --cases bench/cases --suites prefill \
+    --out "$out/results_prefill.json" --commit "$commit" > "$out/bench_prefill.log" 2>&1
+  timeout 150 python3 bench/peers.py --cases bench/cases --suites prefill --no-flex --no-flashinfer --commit "$commit" \
+    --out "$out/results_prefill.json" --merge-into "$out/results_prefill.json" > "$out/peers_prefill.log" 2>&1
+  tail -35 "$out/peers_prefill.log"
+fi
+stamp "done"
+rm -rf "$cases"
