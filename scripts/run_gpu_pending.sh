@@ -23,6 +23,7 @@ cd "$(dirname "$0")/.."
 mkdir -p "$final"
 out=$(mktemp -d)
 B=$(mktemp -d)
+cases=$(mktemp -d)
 t0=$(date +%s)
 pack() { tar -czf "$final/results.tgz.tmp" -C "$out" . 2>/dev/null && mv "$final/results.tgz.tmp" "$final/results.tgz"; }
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/progress.txt"; pack; }
@@ -31,7 +32,7 @@ wait
 chmod +x "$B"/*
 ( while sleep 20; do pack; done ) > /dev/null 2>&1 &
 packer=$!
-trap 'kill $packer 2>/dev/null; pack; rm -rf "$B"' EXIT
+trap 'kill $packer 2>/dev/null; pack; rm -rf "$B" "$out" "$cases"' EXIT
 commit=$(cat "$bins/commit" 2>/dev/null || git rev-parse HEAD)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/info.txt" 2>&1
 lscpu | grep -E "Model name|^CPU\(s\)" >> "$out/info.txt"
@@ -53,7 +54,6 @@ ablation() {  # ablation BUILDS CASES OUT ROUNDS TIMEOUT [extra prefill_ablation
     --cases "$2" --out "$out/$3.jsonl" "${@:6}" > "$out/$3.txt" 2>&1
   cat "$out/$3.txt"
 }
-cases=$(mktemp -d)
 python3 - "$cases" <<'EOF'
 import json, sys
 out = sys.argv[1]
@@ -121,4 +121,3 @@ if step 9; then
   tail -35 "$out/peers_prefill.log"
 fi
 stamp "done"
-rm -rf "$cases"
