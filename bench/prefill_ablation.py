@@ -7,6 +7,10 @@ prints a table of TFLOP/s with each variant's ratio to the first.
       [--cases bench/cases/prefill.json] [--variants auto,portable,persistent_inner,...] [--filter hd128]
       [--builds new=build/bench/tessera_bench,old=other/tessera_bench] [--rounds 2]
 
+--columns BUILD:VARIANT,... names the columns one by one instead of every (build, variant) pair.
+
+The suite may also be `decode` (bench/cases/decode.json; TB/s), with the merge variants below.
+
 --builds compares benchmark binaries of other builds (ablation switches, older trees): every
 (build, variant) pair is a column, timed one after another for each case, and --rounds repeats
 the whole pass (interleaved rounds: clocks and power drift between rounds, not between columns);
@@ -26,6 +30,8 @@ Variants (tessera_bench prefill parameters):
   no_split                the plan's KV split forced to 1 (prefill_paged / prefill_plan suites)
   kv128, kv160, kv192     the Hopper family's K / V tile width forced (hd128 has 128 and 192;
                           the dispatcher takes 192 for long rows; 160 where the build has it)
+  merge_in_decode         decode: split requests merge in the decode kernel (merge_kernel=0)
+  merge_kernel            decode: split requests merge in the second merge kernel (merge_kernel=1)
 Extra `key=value` arguments after `--` go to every tessera_bench call.
 """
 import argparse
@@ -50,6 +56,8 @@ VARIANTS = {
     "kv128": ["kv_tile=128"],
     "kv160": ["kv_tile=160"],
     "kv192": ["kv_tile=192"],
+    "merge_in_decode": ["merge_kernel=0"],
+    "merge_kernel": ["merge_kernel=1"],
 }
 
 
@@ -70,6 +78,7 @@ def main():
                                           "single_outer_heavy")
     ap.add_argument("--filter", default="", help="only cases whose name contains this")
     ap.add_argument("--builds", default="", help="name=tessera_bench path, comma-separated (default: --bench)")
+    ap.add_argument("--columns", default="", help="BUILD:VARIANT pairs, comma-separated (default: every pair)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300,
                     help="seconds one tessera_bench call may take; a call past it counts as failed")
@@ -79,6 +88,11 @@ def main():
         spec = json.load(f)
     builds = dict(b.split("=", 1) for b in args.builds.split(",") if b) if args.builds else {"": args.bench}
     columns = [(b, v) for b in builds for v in args.variants.split(",") if v]
+    if args.columns:
+        columns = [tuple(c.split(":", 1)) for c in args.columns.split(",") if c]
+        for b, v in columns:
+            if b not in builds or v not in VARIANTS:
+                ap.error(f"--columns: unknown build or variant in {b}:{v}")
     name = {c: f"{c[0]}:{c[1]}" if c[0] else c[1] for c in columns}
     variants = [name[c] for c in columns]
     cases = [c for c in spec["cases"] if args.filter in c["name"]]
@@ -121,9 +135,9 @@ def main():
             if x is None:
                 cells.append(f"{'FAILED':>24s}")
             elif v == base or not row[base]:
-                cells.append(f"{x:24.1f}")
+                cells.append(f"{x:24.4g}")
             else:
-                cells.append(f"{x:15.1f} ({x / row[base]:5.2f}x)")
+                cells.append(f"{x:15.4g} ({x / row[base]:5.3f}x)")
         print(f"{row['case']:28s}" + "".join(cells))
     return 0
 

@@ -9,6 +9,8 @@
 #                                                      (build-wfkar32/)
 #   tests_dec, benchfull_dec                           branch decode-parts (a worktree in
 #                                                      build-decode-parts/; skipped without the branch)
+#   tests_mk, benchfull_mk                             branch decode-merge-kernel (on top of it), built
+#                                                      after it in the same worktree and build folder
 #   scripts/build_gpu_pending.sh BINDIR
 # Two cores: ~30 minutes from nothing, minutes when the build folders are there.
 set -euo pipefail
@@ -53,6 +55,12 @@ if git rev-parse -q --verify decode-parts > /dev/null; then
   build "$tree" "$root/build-decode-parts/build" ""
   pack build-decode-parts/build/tests/tessera_tests tests_dec
   pack build-decode-parts/build/bench/tessera_bench benchfull_dec
+  if git rev-parse -q --verify decode-merge-kernel > /dev/null; then
+    git -C "$tree" checkout -q --detach decode-merge-kernel
+    build "$tree" "$root/build-decode-parts/build" ""
+    pack build-decode-parts/build/tests/tessera_tests tests_mk
+    pack build-decode-parts/build/bench/tessera_bench benchfull_mk
+  fi
 else
   echo "no branch decode-parts: tests_dec / benchfull_dec not built" >&2
 fi

@@ -9,12 +9,15 @@
 #   2 plan time: tessera_bench host_calls, tessera_plan_bench, the prefill_plan serving cases' plan_us
 #   3 A/B of the gathered source's switches on the paged hd128 8K cases (page 16, 1, 1 causal, 7)
 #   4 the paged-prefill and Hopper-prefill tests of the wfkar32 build
-#   5 the decode kernel on the shared parts (branch decode-parts): its decode tests, and the decode
-#     suite against this tree's tessera_bench
+#   5 the decode kernel on the shared parts (branch decode-parts) and the merge kernel on top of it
+#     (branch decode-merge-kernel): their decode tests, and the split-prone decode cases against
+#     this tree's tessera_bench, the merge kernel forced off, picked by the plan, and forced on
 #   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
 #   7 the prefill_paged suite, this tree against the wfkar32 build
 #   8 every other GPU test
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
+# They run in the order 1 2 5 3 4 6 7 8 9 (the decode work before the prefill A/B); FIRST_STEP starts
+# at that step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
@@ -36,7 +39,15 @@ trap 'kill $packer 2>/dev/null; pack; rm -rf "$B" "$out" "$cases"' EXIT
 commit=$(cat "$bins/commit" 2>/dev/null || git rev-parse HEAD)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/info.txt" 2>&1
 lscpu | grep -E "Model name|^CPU\(s\)" >> "$out/info.txt"
-step() { [ "$1" -ge "$first" ]; }
+order=(1 2 5 3 4 6 7 8 9)
+step() {  # whether step $1 comes at or after FIRST_STEP in the order
+  local i at_first=-1 at_step=-1
+  for i in "${!order[@]}"; do
+    [ "${order[$i]}" = "$first" ] && at_first=$i
+    [ "${order[$i]}" = "$1" ] && at_step=$i
+  done
+  [ "$at_step" -ge "$at_first" ]
+}
 builds_of() {  # base, then each named variant present in $B as bench_NAME
   local list="base=$B/tessera_bench"
   for v in "$@"; do [ -x "$B/bench_$v" ] && list="$list,$v=$B/bench_$v"; done
@@ -64,6 +75,12 @@ ragged = json.load(open("bench/cases/prefill.json"))
 keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s8192"}
 ragged["cases"] = [c for c in ragged["cases"] if c["name"] in keep]
 json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
+decode = json.load(open("bench/cases/decode.json"))
+keep = {"b1_kv32768_p16", "b16_kv8192_p16", "b64_kv4096_p16", "b256_kv2048_p16", "b1_kv32768_p1", "skew32_h8",
+        "skew64_h1_g8", "zipf15_b16_h8", "zipf15_b64_h1", "one_long_b64_h8", "one_long_b64_h1", "b64_kv2048_h1",
+        "b9_kv8192_p16", "b17_kv8192_p16"}
+decode["cases"] = [c for c in decode["cases"] if c["name"] in keep]
+json.dump(decode, open(f"{out}/decode_split.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
 plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
 json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
@@ -83,6 +100,18 @@ if step 2; then
 import json; d = json.load(open('$out/results_plan.json'))
 for r in d['records']: print(r['case'], r['tessera'], 'plan_us', r['notes'].get('plan_us'))" 2>&1 | tee -a "$out/progress.txt"
 fi
+if step 5; then
+  stamp "5 decode on the shared parts (branch decode-parts) and the merge kernel (decode-merge-kernel)"
+  tests tests_dec 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_dec.log 120
+  tests tests_mk 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_mk.log 150
+  cols=base:auto
+  [ -x "$B/benchfull_dec" ] && cols="$cols,dec:auto"
+  [ -x "$B/benchfull_mk" ] && cols="$cols,mk:merge_in_decode,mk:auto,mk:merge_kernel"
+  timeout 330 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench,dec=$B/benchfull_dec,mk=$B/benchfull_mk" \
+    --columns "$cols" --rounds 1 --timeout 20 --cases "$cases/decode_split.json" --out "$out/ab_decode.jsonl" \
+    > "$out/ab_decode.txt" 2>&1
+  cat "$out/ab_decode.txt"
+fi
 if step 3; then
   stamp "3 A/B of the gathered source (paged hd128 8K)"
   ablation "$(builds_of wfkar32 kar32 wf ka r32 nf s3 wfr32)" "$cases/paged_hd128_8k.json" ab_paged 1 330
@@ -90,11 +119,6 @@ fi
 if step 4; then
   stamp "4 tests of the wfkar32 build"
   tests tests_wfkar32 'GpuPrefillPaged*:GpuPrefillHopper.*:GpuLargeOffsets.PagedPrefill*' tests_wfkar32.log 150
-fi
-if step 5; then
-  stamp "5 decode on the shared parts (branch decode-parts)"
-  tests tests_dec 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_dec.log 120
-  [ -x "$B/benchfull_dec" ] && ablation "base=$B/tessera_bench,dec=$B/benchfull_dec" bench/cases/decode.json ab_decode 2 260
 fi
 if step 6; then
   stamp "6 A/B of the work-tile boundary (ragged hd128)"
