@@ -8,16 +8,15 @@
 #   1 GpuPrefillPaged* and GpuValidationTable* (BatchPrefillPaged::plan's copy floor, pre-read, checks)
 #   2 plan time: tessera_bench host_calls, tessera_plan_bench, the prefill_plan serving cases' plan_us
 #   3 A/B of the gathered source's switches on the paged hd128 8K cases (page 16, 1, 1 causal, 7)
-#   4 the paged-prefill and Hopper-prefill tests of the wfkar32 build
-#   5 the decode kernel on the shared parts (branch decode-parts) and the merge kernel on top of it
-#     (branch decode-merge-kernel): their decode tests, and the split-prone decode cases against
-#     this tree's tessera_bench, the merge kernel forced off, picked by the plan, and forced on
+#   5 the merge kernel (branch decode-merge-kernel): its decode tests, and the split-prone decode
+#     cases against this tree's tessera_bench, the merge kernel forced off, picked by the plan, and
+#     forced on
 #   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
-#   7 the prefill_paged suite, this tree against the wfkar32 build
 #   8 every other GPU test
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
-# They run in the order 1 2 5 3 4 6 7 8 9 (the decode work before the prefill A/B); FIRST_STEP starts
-# at that step of the order.
+# They run in the order 5 8 6 3 9 1 2 (1 and 2 passed / were measured on 2026-12-07, H100:
+# bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
+# step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
@@ -39,7 +38,7 @@ trap 'kill $packer 2>/dev/null; pack; rm -rf "$B" "$out" "$cases"' EXIT
 commit=$(cat "$bins/commit" 2>/dev/null || git rev-parse HEAD)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/info.txt" 2>&1
 lscpu | grep -E "Model name|^CPU\(s\)" >> "$out/info.txt"
-order=(1 2 5 3 4 6 7 8 9)
+order=(5 8 6 3 9 1 2)
 step() {  # whether step $1 comes at or after FIRST_STEP in the order
   local i at_first=-1 at_step=-1
   for i in "${!order[@]}"; do
@@ -101,8 +100,7 @@ import json; d = json.load(open('$out/results_plan.json'))
 for r in d['records']: print(r['case'], r['tessera'], 'plan_us', r['notes'].get('plan_us'))" 2>&1 | tee -a "$out/progress.txt"
 fi
 if step 5; then
-  stamp "5 decode on the shared parts (branch decode-parts) and the merge kernel (decode-merge-kernel)"
-  tests tests_dec 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_dec.log 120
+  stamp "5 the merge kernel (branch decode-merge-kernel)"
   tests tests_mk 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_mk.log 150
   cols=base:auto
   [ -x "$B/benchfull_dec" ] && cols="$cols,dec:auto"
@@ -114,19 +112,11 @@ if step 5; then
 fi
 if step 3; then
   stamp "3 A/B of the gathered source (paged hd128 8K)"
-  ablation "$(builds_of wfkar32 kar32 wf ka r32 nf s3 wfr32)" "$cases/paged_hd128_8k.json" ab_paged 1 330
-fi
-if step 4; then
-  stamp "4 tests of the wfkar32 build"
-  tests tests_wfkar32 'GpuPrefillPaged*:GpuPrefillHopper.*:GpuLargeOffsets.PagedPrefill*' tests_wfkar32.log 150
+  ablation "$(builds_of wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 fi
 if step 6; then
   stamp "6 A/B of the work-tile boundary (ragged hd128)"
-  ablation "$(builds_of t kp kpt ka kar32)" "$cases/ragged_hd128.json" ab_ragged 2 200
-fi
-if step 7; then
-  stamp "7 prefill_paged suite, this tree against wfkar32"
-  [ -x "$B/benchfull_wfkar32" ] && ablation "base=$B/tessera_bench,wfkar32=$B/benchfull_wfkar32" bench/cases/prefill_paged.json paged_suite 1 160
+  ablation "$(builds_of t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
 fi
 if step 8; then
   stamp "8 every other GPU test"

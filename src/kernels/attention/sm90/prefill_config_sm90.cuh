@@ -50,8 +50,9 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_O_IN_V
 #define TESSERA_SM90_O_IN_V 1
 #endif
-// setmaxnreg's producer budget with two consumer warpgroups (24 or 32: 32 x 128 + 240 x 256 is
-// the whole register file); the gathered-page producers spill at 24.
+// setmaxnreg's producer budget with two consumer warpgroups: 24 (32 with consumers at 240 needs
+// more registers than the CTA holds from its launch: kLaunchRegisters below). The gathered-page
+// producers spill at 24.
 #ifndef TESSERA_SM90_PRODUCER_REGISTERS_2C
 #define TESSERA_SM90_PRODUCER_REGISTERS_2C 24
 #endif
@@ -125,7 +126,14 @@ struct PrefillSm90Config {
   static constexpr int kProducerRegisters = kConsumers == 2 ? TESSERA_SM90_PRODUCER_REGISTERS_2C : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   static_assert(kBlockN % 8 == 0 && kBlockN / 8 <= 32, "a paged tile is at most 32 boxes: one per producer lane");
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+  // What the CTA holds from its launch: kThreads x the registers ptxas gives each thread under
+  // the launch bound (65536 / kThreads rounded down to the allocation unit of 8, at most 255). The
+  // consumers' setmaxnreg.inc can only take what the producer's decrease freed: a budget beyond
+  // this waits forever (producer 32 with two consumers at 240 needs 65536 of the 64512 held, and
+  // hung on the H100: notes/prefill_hopper.md, the A/B of 2026-12-07).
+  static constexpr int kLaunchRegisters = (65536 / kThreads < 255 ? 65536 / kThreads : 255) / 8 * 8;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= kLaunchRegisters * kThreads,
+                "setmaxnreg budgets beyond the registers the CTA holds from its launch");
   static_assert(!kOSharesQ || kQStages == 1, "O in Q's buffer: one Q buffer, released after the O stores");
   static_assert(!kOSharesV || kBlockN >= 64 * kConsumers, "O staged in a V stage: the stage holds the O tiles");
 };
