@@ -20,7 +20,8 @@
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-first=${3:-1}
+order=(5 8 6 3 9 1 2)
+first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
 out=$(mktemp -d)
@@ -38,7 +39,6 @@ trap 'kill $packer 2>/dev/null; pack; rm -rf "$B" "$out" "$cases"' EXIT
 commit=$(cat "$bins/commit" 2>/dev/null || git rev-parse HEAD)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$out/info.txt" 2>&1
 lscpu | grep -E "Model name|^CPU\(s\)" >> "$out/info.txt"
-order=(5 8 6 3 9 1 2)
 step() {  # whether step $1 comes at or after FIRST_STEP in the order
   local i at_first=-1 at_step=-1
   for i in "${!order[@]}"; do
@@ -85,11 +85,11 @@ plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
 json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
 EOF
 
-if step 1; then
+run_step_1() {
   stamp "1 tests of BatchPrefillPaged::plan"
   tests tessera_tests 'GpuPrefillPaged*:GpuValidationTable*' tests_plan.log 200
-fi
-if step 2; then
+}
+run_step_2() {
   stamp "2 plan time"
   timeout 30 "$B/tessera_bench" host_calls > "$out/host_calls.txt" 2>&1
   [ -x "$B/tessera_plan_bench" ] && timeout 40 "$B/tessera_plan_bench" 2000 prefill_ > "$out/plan_bench.txt" 2>&1
@@ -98,8 +98,8 @@ if step 2; then
   python3 -c "
 import json; d = json.load(open('$out/results_plan.json'))
 for r in d['records']: print(r['case'], r['tessera'], 'plan_us', r['notes'].get('plan_us'))" 2>&1 | tee -a "$out/progress.txt"
-fi
-if step 5; then
+}
+run_step_5() {
   stamp "5 the merge kernel (branch decode-merge-kernel)"
   tests tests_mk 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_mk.log 150
   cols=base:auto
@@ -109,20 +109,20 @@ if step 5; then
     --columns "$cols" --rounds 1 --timeout 20 --cases "$cases/decode_split.json" --out "$out/ab_decode.jsonl" \
     > "$out/ab_decode.txt" 2>&1
   cat "$out/ab_decode.txt"
-fi
-if step 3; then
+}
+run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
   ablation "$(builds_of wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
-fi
-if step 6; then
+}
+run_step_6() {
   stamp "6 A/B of the work-tile boundary (ragged hd128)"
   ablation "$(builds_of t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
-fi
-if step 8; then
+}
+run_step_8() {
   stamp "8 every other GPU test"
   tests tessera_tests 'Gpu*:-GpuPrefillPaged*:GpuValidationTable*' tests_rest.log 300
-fi
-if step 9; then
+}
+run_step_9() {
   stamp "9 prefill_plan serving cases and the prefill suite with peers"
   [ -f "$out/results_plan.json" ] || timeout 120 python3 bench/run_bench.py --bench "$B/tessera_bench" --cases "$cases" \
     --suites prefill_plan --out "$out/results_plan.json" --commit "$commit" > "$out/bench_plan.log" 2>&1
@@ -133,5 +133,6 @@ if step 9; then
   timeout 150 python3 bench/peers.py --cases bench/cases --suites prefill --no-flex --no-flashinfer --commit "$commit" \
     --out "$out/results_prefill.json" --merge-into "$out/results_prefill.json" > "$out/peers_prefill.log" 2>&1
   tail -35 "$out/peers_prefill.log"
-fi
+}
+for n in "${order[@]}"; do step "$n" && "run_step_$n"; done
 stamp "done"
