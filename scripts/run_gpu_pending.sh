@@ -103,9 +103,8 @@ run_step_5() {
   stamp "5 the merge kernel (branch decode-merge-kernel)"
   tests tests_mk 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_mk.log 150
   cols=base:auto
-  [ -x "$B/benchfull_dec" ] && cols="$cols,dec:auto"
   [ -x "$B/benchfull_mk" ] && cols="$cols,mk:merge_in_decode,mk:auto,mk:merge_kernel"
-  timeout 330 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench,dec=$B/benchfull_dec,mk=$B/benchfull_mk" \
+  timeout 330 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench,mk=$B/benchfull_mk" \
     --columns "$cols" --rounds 1 --timeout 20 --cases "$cases/decode_split.json" --out "$out/ab_decode.jsonl" \
     > "$out/ab_decode.txt" 2>&1
   cat "$out/ab_decode.txt"

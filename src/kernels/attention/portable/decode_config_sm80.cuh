@@ -56,5 +56,4 @@ __device__ inline int page_index(const DecodeParams& p, int token) {
   return static_cast<int>((__umulhi(t, p.page_magic) + t) >> p.page_shift);
 }
 
-
 }  // namespace tessera::kernels::sm80
