@@ -8,19 +8,22 @@
 #   1 GpuPrefillPaged* and GpuValidationTable* (BatchPrefillPaged::plan's copy floor, pre-read, checks)
 #   2 plan time: tessera_bench host_calls, tessera_plan_bench, the prefill_plan serving cases' plan_us
 #   3 A/B of the gathered source's switches on the paged hd128 8K cases (page 16, 1, 1 causal, 7)
+#   4 plan() by phase: the prefill_plan serving cases through bench_pp (BINDIR), a tessera_bench
+#     built with steady_clock stamps between plan()'s phases (checks, tile loop, split choice, event
+#     wait, schedule, image, copy enqueue, event record), two rounds
 #   5 the merge kernel (branch decode-merge-kernel): its decode tests, and the split-prone decode
 #     cases against this tree's tessera_bench, the merge kernel forced off, picked by the plan, and
 #     forced on
 #   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
 #   8 every other GPU test
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
-# They run in the order 5 8 6 3 9 1 2 (1 and 2 passed / were measured on 2026-12-07, H100:
+# They run in the order 5 4 8 6 3 9 1 2 (1 and 2 passed / were measured on 2026-12-07, H100:
 # bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
 # step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-order=(5 8 6 3 9 1 2)
+order=(5 4 8 6 3 9 1 2)
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
@@ -108,6 +111,15 @@ run_step_5() {
     --columns "$cols" --rounds 1 --timeout 20 --cases "$cases/decode_split.json" --out "$out/ab_decode.jsonl" \
     > "$out/ab_decode.txt" 2>&1
   cat "$out/ab_decode.txt"
+}
+run_step_4() {
+  stamp "4 plan() by phase"
+  [ -x "$B/bench_pp" ] || { echo "no bench_pp: skipped" | tee -a "$out/progress.txt"; return; }
+  for round in 1 2; do
+    timeout 120 python3 bench/run_bench.py --bench "$B/bench_pp" --cases "$cases" --suites prefill_plan \
+      --out "$out/results_plan_phases_$round.json" --commit "$commit" > "$out/plan_phases_$round.log" 2>&1
+    grep '"plan_phases"' "$out/plan_phases_$round.log" | tee -a "$out/progress.txt"
+  done
 }
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"

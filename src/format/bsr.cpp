@@ -21,7 +21,11 @@ std::string check_bsr(const BsrLayout& b, int64_t num_blocks) {
              std::to_string(r) + " is outside 1.." + std::to_string(b.block_size);
     }
   }
-  if (num_blocks >= 0 && b.indices != nullptr) {
+  // The ids' range in one vectorised pass, the first id outside the cache found only on failure:
+  // the loop below alone took 41 us at 1024 requests of ~130 pages (133K ids, development CPU),
+  // where an engine passing num_pages to BatchPrefillPaged::plan pays it every step.
+  const BlockIdRange ids = num_blocks >= 0 && b.indices != nullptr ? block_id_range(b) : BlockIdRange{};
+  if (ids.min <= ids.max && (ids.min < 0 || ids.max >= num_blocks)) {
     for (int32_t i = 0; i < b.indptr[b.num_rows]; ++i) {
       if (b.indices[i] < 0 || b.indices[i] >= num_blocks) {
         return "kv_indices: page id " + std::to_string(b.indices[i]) + " at index " +

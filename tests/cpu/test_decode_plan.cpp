@@ -586,6 +586,37 @@ TEST(BsrLayout, PageTableViewAndChecks) {
   EXPECT_THAT(format::check_bsr(c.bsr(), -1), HasSubstr("non-decreasing"));
 }
 
+// The page-id check (a vectorised range pass, then a search for the message): the first id outside
+// the cache is the one named, wherever it lies and whichever side it is on, and ids past the
+// table's last entry are never read.
+TEST(BsrLayout, PageIdCheckNamesTheFirstIdOutsideTheCache) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int32_t rows = 1 + int32_t(rng() % 40), pages = 1 + int32_t(rng() % 500);
+    std::vector<int32_t> indptr{0}, last;
+    for (int32_t r = 0; r < rows; ++r) {
+      indptr.push_back(indptr.back() + int32_t(rng() % 9));
+      last.push_back(1 + int32_t(rng() % 16));
+    }
+    const int32_t n = indptr.back();
+    std::vector<int32_t> ids(size_t(n) + 8, -5);  // (past the end: outside the cache, never read)
+    for (int32_t i = 0; i < n; ++i) ids[size_t(i)] = int32_t(rng() % uint32_t(pages));
+    const auto bsr = format::bsr_from_page_table(16, rows, indptr.data(), ids.data(), last.data());
+    ASSERT_EQ(format::check_bsr(bsr, pages), "") << "trial " << trial;
+    if (n == 0) continue;
+    int32_t first = n;
+    for (int bad = 0; bad < 1 + int(rng() % 3); ++bad) {
+      const int32_t at = int32_t(rng() % uint32_t(n));
+      ids[size_t(at)] = rng() % 2 ? -1 - int32_t(rng() % 100) : pages + int32_t(rng() % 100);
+      first = std::min(first, at);
+    }
+    EXPECT_THAT(format::check_bsr(bsr, pages),
+                HasSubstr("page id " + std::to_string(ids[size_t(first)]) + " at index " + std::to_string(first) + " "))
+        << "trial " << trial;
+    EXPECT_EQ(format::check_bsr(bsr, -1), "") << "trial " << trial;  // (ids not checked)
+  }
+}
+
 }  // namespace
 }  // namespace tessera::plan
 
