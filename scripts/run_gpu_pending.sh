@@ -11,19 +11,19 @@
 #   4 plan() by phase: the prefill_plan serving cases through bench_pp (BINDIR), a tessera_bench
 #     built with steady_clock stamps between plan()'s phases (checks, tile loop, split choice, event
 #     wait, schedule, image, copy enqueue, event record), two rounds
-#   5 the merge kernel (branch decode-merge-kernel): its decode tests, and the split-prone decode
-#     cases against this tree's tessera_bench, the merge kernel forced off, picked by the plan, and
-#     forced on
+#   5 the merge kernel (branch decode-merge-kernel): its decode tests
+#   7 its A/B: the split-prone decode cases against this tree's tessera_bench, the merge kernel
+#     forced off, picked by the plan, and forced on
 #   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
-#   8 every other GPU test
+#   8 every GPU test of this tree (1's included)
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
-# They run in the order 5 4 8 6 3 9 1 2 (1 and 2 passed / were measured on 2026-12-07, H100:
+# They run in the order 5 4 8 7 6 3 9 2 (1 and 2 passed / were measured on 2026-12-07, H100:
 # bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
 # step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-order=(5 4 8 6 3 9 1 2)
+order=(5 4 8 7 6 3 9 2)
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
@@ -103,8 +103,11 @@ import json; d = json.load(open('$out/results_plan.json'))
 for r in d['records']: print(r['case'], r['tessera'], 'plan_us', r['notes'].get('plan_us'))" 2>&1 | tee -a "$out/progress.txt"
 }
 run_step_5() {
-  stamp "5 the merge kernel (branch decode-merge-kernel)"
+  stamp "5 the merge kernel's tests (branch decode-merge-kernel)"
   tests tests_mk 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_mk.log 150
+}
+run_step_7() {
+  stamp "7 the merge kernel's A/B (branch decode-merge-kernel)"
   cols=base:auto
   [ -x "$B/benchfull_mk" ] && cols="$cols,mk:merge_in_decode,mk:auto,mk:merge_kernel"
   timeout 330 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench,mk=$B/benchfull_mk" \
@@ -112,15 +115,7 @@ run_step_5() {
     > "$out/ab_decode.txt" 2>&1
   cat "$out/ab_decode.txt"
 }
-run_step_4() {
-  stamp "4 plan() by phase"
-  [ -x "$B/bench_pp" ] || { echo "no bench_pp: skipped" | tee -a "$out/progress.txt"; return; }
-  for round in 1 2; do
-    timeout 120 python3 bench/run_bench.py --bench "$B/bench_pp" --cases "$cases" --suites prefill_plan \
-      --out "$out/results_plan_phases_$round.json" --commit "$commit" > "$out/plan_phases_$round.log" 2>&1
-    grep '"plan_phases"' "$out/plan_phases_$round.log" | tee -a "$out/progress.txt"
-  done
-}
+
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
   ablation "$(builds_of wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
@@ -131,7 +126,7 @@ run_step_6() {
 }
 run_step_8() {
   stamp "8 every other GPU test"
-  tests tessera_tests 'Gpu*:-GpuPrefillPaged*:GpuValidationTable*' tests_rest.log 300
+  tests tessera_tests 'Gpu*' tests_rest.log 360
 }
 run_step_9() {
   stamp "9 prefill_plan serving cases and the prefill suite with peers"
