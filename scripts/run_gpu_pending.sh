@@ -116,6 +116,15 @@ run_step_7() {
   cat "$out/ab_decode.txt"
 }
 
+run_step_4() {
+  stamp "4 plan() by phase"
+  [ -x "$B/bench_pp" ] || { echo "no bench_pp: skipped" | tee -a "$out/progress.txt"; return; }
+  for round in 1 2; do
+    timeout 120 python3 bench/run_bench.py --bench "$B/bench_pp" --cases "$cases" --suites prefill_plan \
+      --out "$out/results_plan_phases_$round.json" --commit "$commit" > "$out/plan_phases_$round.log" 2>&1
+    grep '"plan_phases"' "$out/plan_phases_$round.log" | tee -a "$out/progress.txt"
+  done
+}
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
   ablation "$(builds_of wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
@@ -125,7 +134,7 @@ run_step_6() {
   ablation "$(builds_of t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
 }
 run_step_8() {
-  stamp "8 every other GPU test"
+  stamp "8 every GPU test"
   tests tessera_tests 'Gpu*' tests_rest.log 360
 }
 run_step_9() {
