@@ -16,6 +16,7 @@
 //   tessera_bench prefill_plan name=q512_kv32k_b2 batch=2 qo_len=512 kv_len=32768 num_qo_heads=32 num_kv_heads=8
 //                 head_dim=128 page_size=16 [causal=true] [layout=NHD|HND]
 //                 [lengths=list qo_lens=512,1,... kv_lens=16384,4096,... (batch values each)]
+//                 (a build with -DTESSERA_PLAN_PHASES=ON also prints plan()'s time by phase: "plan_phases")
 //   tessera_bench moe_gemm name=deepseek_v3_up_t128 experts=256 top_k=8 tokens=128 K=7168 N=4096
 //                 activation=swiglu|none routing=random|balanced [seed=1]
 //   tessera_bench moe_layer name=qwen3_30b_t1024 experts=128 top_k=8 tokens=1024 hidden=2048 inter=768
@@ -31,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "api/plan_phases.h"
 #include "ceilings.h"
 #include "dispatch/moe_dispatch.h"
 #include "dispatch/prefill_dispatch.h"
@@ -759,6 +761,29 @@ int bench_prefill_plan(const Args& a) {
     us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   }
   std::nth_element(plan_ids_us.begin(), plan_ids_us.begin() + 25, plan_ids_us.end());
+  if (detail::plan_phases_built()) {
+    // Experiment builds (-DTESSERA_PLAN_PHASES=ON): each phase's median over 50 calls as above,
+    // without and with num_pages, one line each (before the record's line).
+    for (const bool ids : {false, true}) {
+      std::vector<std::vector<double>> phase(detail::kPlanPhases, std::vector<double>(50));
+      std::vector<double> total(50);
+      for (int i = 0; i < 50; ++i) {
+        cuda_ok(cudaDeviceSynchronize(), "plan copy");
+        const auto t0 = std::chrono::steady_clock::now();
+        prefill.plan(qo_indptr.data(), device_table.table, nullptr, ids ? num_pages : -1);
+        total[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        for (int k = 0; k < detail::kPlanPhases; ++k) phase[k][i] = detail::last_plan_phase_us()[k];
+      }
+      auto median = [](std::vector<double>& v) {
+        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+        return v[v.size() / 2];
+      };
+      std::printf("{\"suite\": \"plan_phases\", \"case\": \"%s\", \"num_pages_given\": %s, \"plan_us\": %.2f",
+                  arg(a, "name").c_str(), ids ? "true" : "false", median(total));
+      for (int k = 0; k < detail::kPlanPhases; ++k) std::printf(", \"%s\": %.2f", detail::kPlanPhaseNames[k], median(phase[k]));
+      std::printf("}\n");
+    }
+  }
   cuda_ok(cudaDeviceSynchronize(), "plan");
   auto run_step = [&](int i) {
     const PagedSet& st = sets[i % rot];

@@ -4,26 +4,21 @@
 #   tessera_tests, tessera_bench, tessera_plan_bench   this tree, sm_90 only (build-gpu/)
 #   bench_NAME                                         the Hopper prefill's A/B switches, hd128 bf16
 #                                                      (scripts/build_prefill_variants.sh)
-#   tests_mk, benchfull_mk                             branch decode-merge-kernel (a worktree in
-#                                                      build-decode-parts/; skipped without the branch)
+#   bench_pp                                           hd128 bf16 with -DTESSERA_PLAN_PHASES=ON (plan()
+#                                                      by phase)
 #   scripts/build_gpu_pending.sh BINDIR
 # Two cores: ~30 minutes from nothing, minutes when the build folders are there.
 set -euo pipefail
 bin=${1:?usage: build_gpu_pending.sh BINDIR}
 cd "$(dirname "$0")/.."
-root=$PWD
 mkdir -p "$bin"
 bin=$(cd "$bin" && pwd)
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DTESSERA_PORTABLE_ARCHS=90-real -DTESSERA_BUILD_PYTHON=OFF -DTESSERA_BUILD_FUZZERS=OFF)
 pack() { xz -T0 -6 -c "$1" > "$bin/$2.xz"; }
 
-build() {  # build() SOURCE BUILD_DIR CUDA_FLAGS: tests and bench of one tree
-  cmake -S "$1" -B "$2" "${cmake_args[@]}" -DCMAKE_CUDA_FLAGS="$3" > /dev/null
-  cmake --build "$2" -j "$(nproc)" --target tessera_tests tessera_bench tessera_plan_bench > "$2/pending.log" 2>&1 ||
-    { echo "build of $2 failed (see $2/pending.log)" >&2; exit 1; }
-}
-
-build . build-gpu ""
+cmake -S . -B build-gpu "${cmake_args[@]}" > /dev/null
+cmake --build build-gpu -j "$(nproc)" --target tessera_tests tessera_bench tessera_plan_bench > build-gpu/pending.log 2>&1 ||
+  { echo "build of build-gpu failed (see build-gpu/pending.log)" >&2; exit 1; }
 pack build-gpu/tests/tessera_tests tessera_tests
 pack build-gpu/bench/tessera_bench tessera_bench
 pack build-gpu/bench/tessera_plan_bench tessera_plan_bench
@@ -36,16 +31,6 @@ scripts/build_prefill_variants.sh "$bin" \
   't=-DTESSERA_SM90_BOUNDARY_TURNS=0' 'kp=-DTESSERA_SM90_K_BEFORE_Q=1 -DTESSERA_SM90_PREFETCH_NEXT_Q=1' \
   'kpt=-DTESSERA_SM90_K_BEFORE_Q=1 -DTESSERA_SM90_PREFETCH_NEXT_Q=1 -DTESSERA_SM90_BOUNDARY_TURNS=0'
 
-if git rev-parse -q --verify decode-merge-kernel > /dev/null; then
-  tree=$root/build-decode-parts/src
-  [ -d "$tree" ] || git worktree add -q --detach "$tree" decode-merge-kernel
-  git -C "$tree" checkout -q --detach decode-merge-kernel
-  [ -e "$tree/.deps" ] || ln -s "$root/.deps" "$tree/.deps"
-  build "$tree" "$root/build-decode-parts/build" ""
-  pack build-decode-parts/build/tests/tessera_tests tests_mk
-  pack build-decode-parts/build/bench/tessera_bench benchfull_mk
-else
-  echo "no branch decode-merge-kernel: tests_mk / benchfull_mk not built" >&2
-fi
+VARIANT_CMAKE_ARGS=-DTESSERA_PLAN_PHASES=ON scripts/build_prefill_variants.sh "$bin" 'pp='
 git rev-parse HEAD > "$bin/commit"
 ls -la "$bin"

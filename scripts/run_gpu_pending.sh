@@ -9,21 +9,18 @@
 #   2 plan time: tessera_bench host_calls, tessera_plan_bench, the prefill_plan serving cases' plan_us
 #   3 A/B of the gathered source's switches on the paged hd128 8K cases (page 16, 1, 1 causal, 7)
 #   4 plan() by phase: the prefill_plan serving cases through bench_pp (BINDIR), a tessera_bench
-#     built with steady_clock stamps between plan()'s phases (checks, tile loop, split choice, event
-#     wait, schedule, image, copy enqueue, event record), two rounds
-#   5 the merge kernel (branch decode-merge-kernel): its decode tests
-#   7 its A/B: the split-prone decode cases against this tree's tessera_bench, the merge kernel
-#     forced off, picked by the plan, and forced on
+#     built with -DTESSERA_PLAN_PHASES=ON (src/api/plan_phases.h: checks, tile loop, split choice,
+#     event wait, schedule, image, copy enqueue, event record), two rounds
 #   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
 #   8 every GPU test of this tree (1's included)
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
-# They run in the order 5 4 8 7 6 3 9 2 (1 and 2 passed / were measured on 2026-12-07, H100:
+# They run in the order 6 4 9 8 2 3 (1 passed on 2026-12-07, H100:
 # bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
 # step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-order=(5 4 8 7 6 3 9 2)
+order=(6 4 9 8 2 3)
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
@@ -77,12 +74,6 @@ ragged = json.load(open("bench/cases/prefill.json"))
 keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s8192"}
 ragged["cases"] = [c for c in ragged["cases"] if c["name"] in keep]
 json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
-decode = json.load(open("bench/cases/decode.json"))
-keep = {"b1_kv32768_p16", "b16_kv8192_p16", "b64_kv4096_p16", "b256_kv2048_p16", "b1_kv32768_p1", "skew32_h8",
-        "skew64_h1_g8", "zipf15_b16_h8", "zipf15_b64_h1", "one_long_b64_h8", "one_long_b64_h1", "b64_kv2048_h1",
-        "b9_kv8192_p16", "b17_kv8192_p16"}
-decode["cases"] = [c for c in decode["cases"] if c["name"] in keep]
-json.dump(decode, open(f"{out}/decode_split.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
 plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
 json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
@@ -102,20 +93,6 @@ run_step_2() {
 import json; d = json.load(open('$out/results_plan.json'))
 for r in d['records']: print(r['case'], r['tessera'], 'plan_us', r['notes'].get('plan_us'))" 2>&1 | tee -a "$out/progress.txt"
 }
-run_step_5() {
-  stamp "5 the merge kernel's tests (branch decode-merge-kernel)"
-  tests tests_mk 'GpuDecode*:GpuLargeOffsets.*Decode*' tests_mk.log 150
-}
-run_step_7() {
-  stamp "7 the merge kernel's A/B (branch decode-merge-kernel)"
-  cols=base:auto
-  [ -x "$B/benchfull_mk" ] && cols="$cols,mk:merge_in_decode,mk:auto,mk:merge_kernel"
-  timeout 330 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench,mk=$B/benchfull_mk" \
-    --columns "$cols" --rounds 1 --timeout 20 --cases "$cases/decode_split.json" --out "$out/ab_decode.jsonl" \
-    > "$out/ab_decode.txt" 2>&1
-  cat "$out/ab_decode.txt"
-}
-
 run_step_4() {
   stamp "4 plan() by phase"
   [ -x "$B/bench_pp" ] || { echo "no bench_pp: skipped" | tee -a "$out/progress.txt"; return; }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "api/paged_prefill_params.h"
+#include "api/plan_phases.h"
 #include "core/arg_check.h"
 #include "core/cuda_check.h"
 #include "dispatch/prefill_dispatch.h"
@@ -278,6 +279,7 @@ BatchPrefillPaged::BatchPrefillPaged(const PagedPrefillConfig& config, void* wor
 void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& table, cudaStream_t stream,
                              int64_t num_pages) {
   const detail::ArgCheck check("BatchPrefillPaged::plan");
+  detail::PlanPhaseClock clock;  // (experiment builds only: plan_phases.h)
   planned_ = false;  // until this plan is complete: a plan() that throws leaves none for run()
   if (fixed_) {
     fixed_->require_device(check);
@@ -336,6 +338,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                           " pages once run() was captured: a replay follows the page ids unchecked");
     }
   }
+  clock.end(detail::kPlanChecks);
   // The grid's query tiles (with rows; portable and Hopper tile heights: a packed Hopper tile holds
   // block_m >> gqa_pack_ tokens of a KV head's 2^gqa_pack_ query heads) and the longest key range
   // a tile can see.
@@ -356,6 +359,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
                           " tokens; at most 2^31 - 2^16 are supported");
     }
   }
+  clock.end(detail::kPlanTileLoop);
   tiles *= config_.num_qo_heads;
   const int64_t hopper_query_tiles = hopper_tiles;  // (the schedule's count, per head)
   hopper_tiles *= hopper_run.heads;
@@ -445,6 +449,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // so its eager steps keep the one-tile grid; the Hopper family's two grids agree bitwise.)
   const bool one_grid = config_.batch_invariant && !hopper_plans;
   info_.fixed_grid = fixed_ && (config_.cuda_graph || (!one_grid && !uniform_step(host_qo_indptr, table, batch)));
+  clock.end(detail::kPlanSplit);
   if (!info_.fixed_grid) {
     planned_ = true;
     return;
@@ -452,6 +457,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   // The step's image: the kernels' PrefillStep and the index arrays they read in place of run()'s.
   // The staging buffer may still be read by the previous step's copy (long done in a serving loop).
   TESSERA_CUDA_CHECK(cudaEventSynchronize(fixed_->copied));
+  clock.end(detail::kPlanEventWait);
   const StepImage layout = step_image(config_);
   int32_t* image = static_cast<int32_t*>(fixed_->staging);
   // The static schedule, for the family that will run (its tile shape; run() checks it is the one).
@@ -487,6 +493,7 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
     throw Error("tessera::BatchPrefillPaged::plan: the step's schedule outgrew its workspace (internal error)");
   }
   fixed_->schedule = plan::schedule_prefill(sp, image + layout.slot_begin, image + layout.slot_tiles, fixed_->scratch);
+  clock.end(detail::kPlanSchedule);
   kernels::PrefillStep step{};
   step.batch_size = static_cast<int32_t>(batch);
   step.max_qo_len = static_cast<int32_t>(max_qo);
@@ -499,9 +506,12 @@ void BatchPrefillPaged::plan(const int32_t* host_qo_indptr, const PageTable& tab
   std::memcpy(image + layout.last_page_len, table.host_last_page_len, sizeof(int32_t) * batch);
   const std::size_t bytes =
       std::max(sizeof(int32_t) * (layout.slot_tiles + std::size_t(fixed_->schedule.tiles)), kMinStepCopyBytes);
+  clock.end(detail::kPlanImage);
   TESSERA_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<unsigned char*>(workspace_) + layout.offset, image, bytes,
                                      cudaMemcpyHostToDevice, stream));
+  clock.end(detail::kPlanCopyEnqueue);
   TESSERA_CUDA_CHECK(cudaEventRecord(fixed_->copied, stream));
+  clock.end(detail::kPlanEventRecord);
   planned_ = true;
 }
 
