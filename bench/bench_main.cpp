@@ -331,14 +331,14 @@ void write_prefill_timeline(const std::string& path, int64_t slots, int per_slot
   FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) throw Error("timeline=: cannot write " + path);
   std::fprintf(f, "slot,ordinal,tile_start,q_ready,first_scores,loop_end,last_values,epilogue_end,wait_inputs,"
-                  "wait_scores,wait_values,tile_row,head,split,sm,kv_tiles\n");
+                  "wait_scores,wait_values,tile_row,head,split,sm,kv_tiles,out_normalised,out_staged,decode\n");
   for (int64_t slot = 0; slot < slots; ++slot) {
     for (int i = 0; i < per_slot; ++i) {
       const unsigned* r = &host[(size_t(slot) * per_slot + i) * kWords];
       if (r[11] == 0xffffffffu) break;  // (a slot's records are written in order)
-      std::fprintf(f, "%lld,%d,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u\n", static_cast<long long>(slot), i, r[0],
-                   r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10] & 0xffff, r[10] >> 16, r[11] >> 16,
-                   r[11] & 0xffff);
+      std::fprintf(f, "%lld,%d,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u,%u\n", static_cast<long long>(slot), i,
+                   r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10] & 0xffff, r[10] >> 16,
+                   r[11] >> 16, r[11] & 0xffff, r[12], r[13], r[14]);
     }
   }
   std::fclose(f);

@@ -54,6 +54,18 @@ def main(argv=None):
     row("last P V (after the loop)", [r["last_values"] - r["loop_end"] for r in with_kv if r["kv_tiles"] > 1], per_tile)
     row("epilogue (after the last P V)", [r["epilogue_end"] - r["last_values"] for r in with_kv], per_tile)
     row("whole tile", tile, per_tile)
+    # The epilogue's parts and the decode before a tile (columns of later builds; 0xffffffff: the
+    # phase was not reached, e.g. O from registers).
+    unset = 0xffffffff
+    staged = [r for r in with_kv if r.get("out_staged", unset) != unset and r.get("out_normalised", unset) != unset]
+    if staged:
+        print("the epilogue's parts (tiles whose O went through shared memory):")
+        row("O / l, LSE (after the last P V)", [r["out_normalised"] - r["last_values"] for r in staged], per_tile)
+        row("O into shared memory, fence, barrier", [r["out_staged"] - r["out_normalised"] for r in staged], per_tile)
+        row("stores issued, LSE, record", [r["epilogue_end"] - r["out_staged"] for r in staged], per_tile)
+    decoded = [r["decode"] for r in recs if r.get("decode", unset) != unset]
+    if decoded:
+        row("decode of the tile (before its start)", decoded, per_tile)
     print("the KV loop, a KV tile (tiles with more than one):")
     n = lambda r: r["kv_tiles"] - 1
     row("loop cycles", [(r["loop_end"] - r["first_scores"]) / n(r) for r in loop])

@@ -33,6 +33,9 @@ enum TimelineWord : int {
   kTileId,             // q_start + m0: the tile's first query row of the list (with kHead)
   kHead,               // the tile's first query head | split << 16
   kSmAndKvTiles,       // %smid << 16 | the tile's KV tiles
+  kOutNormalised,      // epilogue: O / l and LSE in registers (and, O in a V stage, the stage read)
+  kOutStaged,          // epilogue: O in shared memory, fenced, the warpgroup past its barrier
+  kDecode,             // cycles from the decode of the tile (make_work_tile) to kTileStart
   kTimelineWords
 };
 static_assert(kTimelineWords == kPrefillSm90TimelineWords, "the record's size as the host sees it");
@@ -67,6 +70,13 @@ class PhaseTimeline {
 #endif
   }
 
+  // The tile is about to be decoded (the kernel's loop, before make_work_tile; the 128-key
+  // kernels only, as the wait sums).
+  __device__ void begin_decode() {
+#if TESSERA_SM90_TIMELINE
+    if constexpr (kWaitSums) decode_start_ = cycle_count();
+#endif
+  }
   __device__ void begin_tile() {
 #if TESSERA_SM90_TIMELINE
     start_ = cycle_count();
@@ -74,7 +84,7 @@ class PhaseTimeline {
 #endif
   }
   // The phase `word` is reached now (stored at once).
-  __device__ void stamp(TimelineWord word) {
+  __device__ void stamp(TimelineWord word) const {
 #if TESSERA_SM90_TIMELINE
     store_if(writes(), record() + word, cycle_count() - start_);
 #else
@@ -115,6 +125,7 @@ class PhaseTimeline {
     store_if(on, r + kTileId, unsigned(w.q_start + w.m0));
     store_if(on, r + kHead, unsigned(w.head) | unsigned(w.split) << 16);
     store_if(on, r + kSmAndKvTiles, smid << 16 | unsigned(w.kv_tiles()));
+    store_if(on, r + kDecode, kWaitSums ? start_ - decode_start_ : none);
     ordinal_ += on ? 1 : 0;
 #else
     (void)w;
@@ -132,7 +143,7 @@ class PhaseTimeline {
     return p_.timeline + (int64_t(slot) * p_.timeline_tiles + ordinal_) * kTimelineWords;
   }
   int ordinal_ = -1;
-  unsigned start_ = 0, wait_start_ = 0;
+  unsigned start_ = 0, wait_start_ = 0, decode_start_ = 0;
   unsigned wait_inputs_ = 0, wait_scores_ = 0, wait_values_ = 0;
 #endif
 };

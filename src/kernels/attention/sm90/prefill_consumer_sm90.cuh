@@ -193,6 +193,7 @@ struct PrefillConsumer {
     const int g = lane / 4, t = lane % 4;
     const int first_row = w.m0 + 64 * consumer;
     if (has_kv) wait_o_stage_read();
+    timeline.stamp(kOutNormalised);
     if (Scheduler::writes_partials(p)) {
       store_partial_state(o, lse, w, first_row);
       release_o_buffer(has_kv);
@@ -265,6 +266,7 @@ struct PrefillConsumer {
     }
     fence_async_shared();
     named_barrier_sync(kStoreBarrier + consumer, 128);
+    timeline.stamp(kOutStaged);
 #pragma unroll
     for (int b = 0; b < kHeadDim / 64; ++b)
       tma_store_3d_if(leader, &p.o_map, smem.o_block(consumer, q_slot, o_stage, b), 64 * b, w.head,

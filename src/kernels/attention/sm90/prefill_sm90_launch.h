@@ -64,7 +64,7 @@ inline int prefill_sm90_block_m(int head_dim) { return prefill_sm90_tile(head_di
 // kPrefillSm90TimelineWords 32-bit words each, into `buffer` (device memory for grid x consumers x
 // tiles_per_consumer records: at most num_sms x 3 consumers with the persistent schedules); nullptr
 // stops. Throws tessera::Error in a build without the timeline (prefill_sm90_timeline_built()).
-constexpr int kPrefillSm90TimelineWords = 12;
+constexpr int kPrefillSm90TimelineWords = 15;
 bool prefill_sm90_timeline_built();
 void set_prefill_sm90_timeline(unsigned* buffer, int tiles_per_consumer);
 struct PrefillSm90Timeline {
