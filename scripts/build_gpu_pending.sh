@@ -6,6 +6,9 @@
 #                                                      (scripts/build_prefill_variants.sh)
 #   bench_pp                                           hd128 bf16 with -DTESSERA_PLAN_PHASES=ON (plan()
 #                                                      by phase)
+#   bench_tl                                           hd128 bf16 with -DTESSERA_SM90_TIMELINE=ON (the
+#                                                      consumers' phase timeline)
+# (bench_old, an earlier commit's tessera_bench that step 6 compares against, is copied in by hand.)
 #   scripts/build_gpu_pending.sh BINDIR
 # Two cores: ~30 minutes from nothing, minutes when the build folders are there.
 set -euo pipefail
@@ -32,5 +35,6 @@ scripts/build_prefill_variants.sh "$bin" \
   'kpt=-DTESSERA_SM90_K_BEFORE_Q=1 -DTESSERA_SM90_PREFETCH_NEXT_Q=1 -DTESSERA_SM90_BOUNDARY_TURNS=0'
 
 VARIANT_CMAKE_ARGS=-DTESSERA_PLAN_PHASES=ON scripts/build_prefill_variants.sh "$bin" 'pp='
+VARIANT_CMAKE_ARGS=-DTESSERA_SM90_TIMELINE=ON scripts/build_prefill_variants.sh "$bin" 'tl='
 git rev-parse HEAD > "$bin/commit"
 ls -la "$bin"

@@ -11,16 +11,19 @@
 #   4 plan() by phase: the prefill_plan serving cases through bench_pp (BINDIR), a tessera_bench
 #     built with -DTESSERA_PLAN_PHASES=ON (src/api/plan_phases.h: checks, tile loop, split choice,
 #     event wait, schedule, image, copy enqueue, event record), two rounds
-#   6 A/B of the work-tile boundary switches on ragged hd128 1K-8K (two rounds)
+#   6 A/B of the Hopper prefill builds in BINDIR (bench_NAME) against this tree's on ragged hd128
+#     1K-8K (two rounds)
 #   8 every GPU test of this tree (1's included)
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
-# They run in the order 6 4 9 8 2 3 (1 passed on 2026-12-07, H100:
+#   10 the phase timeline of the Hopper prefill (bench_tl: -DTESSERA_SM90_TIMELINE=ON) on ragged
+#      hd128 1K, 1K causal, 2K, 4K (bench/prefill_timeline.py)
+# They run in the order 10 6 8 9 4 2 3 (1 passed on 2026-12-07, H100:
 # bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
 # step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-order=(6 4 9 8 2 3)
+order=(10 6 8 9 4 2 3)
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
@@ -71,7 +74,7 @@ paged = json.load(open("bench/cases/prefill_paged.json"))
 paged["cases"] = [c for c in paged["cases"] if c["name"].startswith("hd128_s8192") and "HND" not in c["name"]]
 json.dump(paged, open(f"{out}/paged_hd128_8k.json", "w"))
 ragged = json.load(open("bench/cases/prefill.json"))
-keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s8192"}
+keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s2048_causal", "hd128_s4096", "hd128_s8192"}
 ragged["cases"] = [c for c in ragged["cases"] if c["name"] in keep]
 json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
@@ -107,8 +110,20 @@ run_step_3() {
   ablation "$(builds_of wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 }
 run_step_6() {
-  stamp "6 A/B of the work-tile boundary (ragged hd128)"
-  ablation "$(builds_of t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
+  stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
+  ablation "$(builds_of old t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
+}
+run_step_10() {
+  stamp "10 phase timeline (ragged hd128)"
+  [ -x "$B/bench_tl" ] || { echo "no bench_tl: skipped" | tee -a "$out/progress.txt"; return; }
+  local c
+  for c in "1k 16 1024 false" "1k_causal 16 1024 true" "2k 8 2048 false" "4k 4 4096 false"; do
+    set -- $c
+    timeout 30 "$B/bench_tl" prefill name=t_$1 batch=$2 seq=$3 num_qo_heads=16 num_kv_heads=16 head_dim=128 \
+      causal=$4 timeline="$out/timeline_$1.csv" timeline_tiles=64 > "$out/timeline_$1.log" 2>&1
+    { echo "== $1: $(tail -1 "$out/timeline_$1.log")"
+      python3 bench/prefill_timeline.py "$out/timeline_$1.csv" --clock-ghz 1.75; } 2>&1 | tee -a "$out/timeline.txt"
+  done
 }
 run_step_8() {
   stamp "8 every GPU test"
