@@ -200,6 +200,14 @@ __device__ __forceinline__ void bulk_wait_all_if(bool pred) {
   asm volatile(TESSERA_PTX_IF_OPERAND0("cp.async.bulk.wait_group %1;")::"r"(int(pred)), "n"(kPending) : "memory");
 }
 
+// A 4-byte store by shared-window address. Through a generic pointer that the compiler cannot
+// place in shared memory (one computed from a stored base, as the CTA's layout structs hold it)
+// the store is a generic ST with a 64-bit address: two registers per address and the generic
+// path's translation.
+__device__ __forceinline__ void st_shared_u32(uint32_t address, uint32_t value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(address), "r"(value));
+}
+
 // Ordinary shared-memory writes of this thread become visible to later async-proxy reads
 // (tensor cores, copy engine) once the reader has synchronised with this thread.
 __device__ __forceinline__ void fence_async_shared() {

@@ -255,13 +255,16 @@ struct PrefillConsumer {
     bulk_wait_read_if<0>(leader);
     named_barrier_sync(kStoreBarrier + consumer, 128);
     const int g = lane / 4, t = lane % 4;
+    uint32_t block[kHeadDim / 64];  // each 64-column block's shared-window address
+#pragma unroll
+    for (int b = 0; b < kHeadDim / 64; ++b) block[b] = smem_u32(smem.o_block(consumer, q_slot, o_stage, b));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * warp + g + 8 * r;  // row % 8 == g
 #pragma unroll
       for (int j = 0; j < OTile::kBlocks; ++j) {
-        unsigned char* chunk = smem.o_block(consumer, q_slot, o_stage, j / 8) + row * 128 + (((j % 8) ^ g) * 16) + 4 * t;
-        *reinterpret_cast<uint32_t*>(chunk) = pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]);
+        st_shared_u32(block[j / 8] + row * 128 + (((j % 8) ^ g) * 16) + 4 * t,
+                      pack_half2<T>(o.v[j][2 * r], o.v[j][2 * r + 1]));
       }
     }
     fence_async_shared();
