@@ -7,23 +7,24 @@
 # skip their columns or steps. Steps:
 #   1 GpuPrefillPaged* and GpuValidationTable* (BatchPrefillPaged::plan's copy floor, pre-read, checks)
 #   2 plan time: tessera_bench host_calls, tessera_plan_bench, the prefill_plan serving cases' plan_us
-#   3 A/B of the gathered source's switches on the paged hd128 8K cases (page 16, 1, 1 causal, 7)
+#   3 A/B of the builds in BINDIR (bench_old, the gathered source's switches) on the paged hd128 8K
+#     cases (page 16, 1, 1 causal, 7)
 #   4 plan() by phase: the prefill_plan serving cases through bench_pp (BINDIR), a tessera_bench
 #     built with -DTESSERA_PLAN_PHASES=ON (src/api/plan_phases.h: checks, tile loop, split choice,
 #     event wait, schedule, image, copy enqueue, event record), two rounds
 #   6 A/B of the Hopper prefill builds in BINDIR (bench_NAME) against this tree's on ragged hd128
-#     1K-8K (two rounds)
+#     1K-8K, GQA 4 / 8, hd64 and hd256 8K (two rounds)
 #   8 every GPU test of this tree (1's included)
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
 #   10 the phase timeline of the Hopper prefill (bench_tl: -DTESSERA_SM90_TIMELINE=ON) on ragged
 #      hd128 1K, 1K causal, 2K, 4K (bench/prefill_timeline.py)
-# They run in the order 10 6 8 9 4 2 3 (1 passed on 2026-12-07, H100:
+# They run in the order 6 8 10 3 9 4 2 (1 passed on 2026-12-07, H100:
 # bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
 # step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-order=(10 6 8 9 4 2 3)
+order=(6 8 10 3 9 4 2)
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
@@ -74,7 +75,8 @@ paged = json.load(open("bench/cases/prefill_paged.json"))
 paged["cases"] = [c for c in paged["cases"] if c["name"].startswith("hd128_s8192") and "HND" not in c["name"]]
 json.dump(paged, open(f"{out}/paged_hd128_8k.json", "w"))
 ragged = json.load(open("bench/cases/prefill.json"))
-keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s2048_causal", "hd128_s4096", "hd128_s8192"}
+keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s2048_causal", "hd128_s4096", "hd128_s8192",
+        "hd64_s8192", "hd256_s8192", "hd128_gqa4_s2048", "hd128_gqa8_s4096_causal"}
 ragged["cases"] = [c for c in ragged["cases"] if c["name"] in keep]
 json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
@@ -107,7 +109,7 @@ run_step_4() {
 }
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
-  ablation "$(builds_of wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
+  ablation "$(builds_of old wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 }
 run_step_6() {
   stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
