@@ -71,16 +71,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     // own when it gets there: it runs ahead of the consumers.
     int position = Scheduler::first(p);
     RequestEntries entries{};
-    if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, position));
+    if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockN>(p, position));
     while (position < Scheduler::tiles(p)) {
       consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
       const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
       position = Scheduler::next(p, position);
       if (kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, position));
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockN>(p, position));
       if (w.has_rows()) consumer.compute(w);
       if (!kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, position));
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockN>(p, position));
     }
     consumer.finish_turns();
     consumer.finish_stores();
@@ -155,6 +155,12 @@ void launch_prefill_sm90_typed(const PrefillParams& base, const PrefillSm90Sched
   params.order = schedule.order;
   params.heavy_first = schedule.heavy_first;
   params.run_length = std::max(1, schedule.run_length);
+  params.m_tiles_divisor = FastDivisor(m_tiles);
+  params.heads_divisor = FastDivisor(base.num_qo_heads >> pack);
+  params.pairs_divisor = FastDivisor(static_cast<int32_t>(std::min<int64_t>(
+      int64_t(base.batch_size) * (base.num_qo_heads >> pack), (int64_t(1) << 31) - 1)));
+  params.splits_divisor = FastDivisor(std::max(1, base.kv_splits));
+  params.group_divisor = FastDivisor(base.num_kv_heads > 0 ? base.num_qo_heads / base.num_kv_heads : 1);
 #if TESSERA_SM90_TIMELINE
   params.timeline = prefill_sm90_timeline().buffer;
   params.timeline_tiles = prefill_sm90_timeline().tiles_per_consumer;

@@ -47,6 +47,20 @@ struct WorkTile {
   __device__ int kv_tiles() const { return end_kv_tile - first_kv_tile; }
 };
 
+// Experiment switch (notes/prefill_hopper.md, "The decode of a work tile"), off by default until
+// its GPU tests and A/B have run: 1 divides a list position by the list's shape with the
+// launcher's FastDivisors (a multiply-high, an add and a shift each, in place of ~20-40
+// instructions a division by a runtime value: the decode took ~1.2 K cycles of each consumer's
+// tile boundary) in the 128-key kernels (hd64, hd128). The 192-key hd128 and 80-key hd256 kernels
+// keep the divisions: their consumers have no registers for the multiplies' operands (stacks of
+// 32-104 bytes, spills inside the KV loop). As if constexpr over the original code: off, the
+// kernels are the same machine code as without it.
+#ifndef TESSERA_SM90_FAST_DECODE
+#define TESSERA_SM90_FAST_DECODE 0
+#endif
+template <int kBlockN>
+constexpr bool kFastDecode = TESSERA_SM90_FAST_DECODE != 0 && kBlockN == 128;
+
 // The list's shape as the launch parameters give it: an eager launch, sized to its step.
 struct ListShapeFromParams {
   __device__ static int tiles(const PrefillSm90Params& p) { return p.tiles; }
@@ -55,57 +69,79 @@ struct ListShapeFromParams {
   __device__ static int batch_size(const PrefillSm90Params& p) { return p.base.batch_size; }
   __device__ static int kv_splits(const PrefillSm90Params& p) { return p.base.kv_splits; }
   __device__ static bool writes_partials(const PrefillSm90Params& p) { return p.base.partial_o != nullptr; }
+  // (kFastDecode: by the launcher's FastDivisors.)
+  __device__ static int divide_by_m_tiles(const PrefillSm90Params& p, int n) { return p.m_tiles_divisor.div(n); }
+  __device__ static int divide_by_pairs(const PrefillSm90Params& p, int n) { return p.pairs_divisor.div(n); }
+  __device__ static int divide_by_splits(const PrefillSm90Params& p, int n) { return p.splits_divisor.div(n); }
 };
 
 // position -> (request, head, m_tile), head counting the list's heads (KV heads when packed).
 // kHeadsInner: every (request, head)'s query tiles
 // consecutive (they share the head's K / V in L2); kHeavyFirst: the position's m_tile counts from
 // the last query tile (for causal masks, the tile with the most keys first).
-template <typename Scheduler>
+template <typename Scheduler, bool kFast>
 __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int position, int& request,
                                                 int& head, int& m_tile) {
   const int tiles = Scheduler::m_tiles(p);
   const int heads = p.base.num_qo_heads >> p.base.gqa_pack;
   if (p.order == TileOrder::kQueryTilesInner || p.order == TileOrder::kMirroredPairs) {
-    int rest = position / tiles;
-    m_tile = position - rest * tiles;
-    head = rest % heads;
-    request = rest / heads;
+    if constexpr (kFast) {
+      const int rest = Scheduler::divide_by_m_tiles(p, position);
+      m_tile = position - rest * tiles;
+      request = p.heads_divisor.div(rest);
+      head = rest - request * heads;
+    } else {
+      int rest = position / tiles;
+      m_tile = position - rest * tiles;
+      head = rest % heads;
+      request = rest / heads;
+    }
     // The last tile, the first, the second last, the second, ...
     if (p.order == TileOrder::kMirroredPairs) m_tile = m_tile % 2 == 0 ? tiles - 1 - m_tile / 2 : m_tile / 2;
   } else {  // kQueryTilesOuter
     const int pairs = Scheduler::batch_size(p) * heads;
-    m_tile = position / pairs;
-    const int rest = position - m_tile * pairs;
-    head = rest % heads;
-    request = rest / heads;
+    if constexpr (kFast) {
+      m_tile = Scheduler::divide_by_pairs(p, position);
+      const int rest = position - m_tile * pairs;
+      request = p.heads_divisor.div(rest);
+      head = rest - request * heads;
+    } else {
+      m_tile = position / pairs;
+      const int rest = position - m_tile * pairs;
+      head = rest % heads;
+      request = rest / heads;
+    }
   }
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
-// The request of the tile at `cursor`.
-template <typename Scheduler>
+// The request of the tile at `cursor` (kBlockN: the kernel's, for kFastDecode).
+template <typename Scheduler, int kBlockN>
 __device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor) {
+  constexpr bool kFast = kFastDecode<kBlockN>;
   const int position = Scheduler::list_position(p, cursor);
   int request, head, m_tile;
-  decode_position<Scheduler>(p, Scheduler::kv_splits(p) > 1 ? position / Scheduler::kv_splits(p) : position, request,
-                             head, m_tile);
+  int tile = position;
+  if (Scheduler::kv_splits(p) > 1) tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
+  decode_position<Scheduler, kFast>(p, tile, request, head, m_tile);
   return request;
 }
 
 // The tile at `cursor`; `entries` are its request's (load_request_entries).
 template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor, const RequestEntries& entries) {
+  constexpr bool kFast = kFastDecode<kBlockN>;
   const int position = Scheduler::list_position(p, cursor);
   WorkTile w;
   int m_tile;
-  const int tile = Scheduler::kv_splits(p) > 1 ? position / Scheduler::kv_splits(p) : position;
+  int tile = position;
+  if (Scheduler::kv_splits(p) > 1) tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
   w.split = position - tile * Scheduler::kv_splits(p);
   int list_head;
-  decode_position<Scheduler>(p, tile, w.request, list_head, m_tile);
+  decode_position<Scheduler, kFast>(p, tile, w.request, list_head, m_tile);
   w.row_shift = p.base.gqa_pack;
   w.head = list_head << w.row_shift;
-  w.kv_head = w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
+  w.kv_head = kFast ? p.group_divisor.div(w.head) : w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
   w.m0 = m_tile * kBlockM;
   w.q_start = warp_uniform(entries.q_begin);
   w.qo_len = warp_uniform(entries.q_end) - w.q_start;
@@ -117,7 +153,8 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   w.first_kv_tile = n_begin / kBlockN;
   w.end_kv_tile = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : w.first_kv_tile;
   if (Scheduler::kv_splits(p) > 1) {  // the portable family's runs (prefill_sm80.cuh): equal, the last shorter
-    const int per_split = (w.end_kv_tile - w.first_kv_tile + Scheduler::kv_splits(p) - 1) / Scheduler::kv_splits(p);
+    const int runs = w.end_kv_tile - w.first_kv_tile + Scheduler::kv_splits(p) - 1;
+    const int per_split = kFast ? Scheduler::divide_by_splits(p, runs) : runs / Scheduler::kv_splits(p);
     w.first_kv_tile = min(w.end_kv_tile, w.first_kv_tile + w.split * per_split);
     w.end_kv_tile = min(w.end_kv_tile, w.first_kv_tile + per_split);
   }
@@ -127,7 +164,7 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
 template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor) {
   return make_work_tile<kBlockM, kBlockN, KV, Scheduler>(
-      p, cursor, load_request_entries<KV::kPaged>(p, request_at<Scheduler>(p, cursor)));
+      p, cursor, load_request_entries<KV::kPaged>(p, request_at<Scheduler, kBlockN>(p, cursor)));
 }
 
 struct SingleTileScheduler : ListShapeFromParams {
@@ -161,6 +198,13 @@ struct StepListScheduler {
   }
   __device__ static int kv_splits(const PrefillSm90Params& p) { return __ldg(&p.base.step->kv_splits); }
   __device__ static bool writes_partials(const PrefillSm90Params& p) { return kv_splits(p) > 1; }
+  // (The step's shape is read from the workspace, so these divide by values the launch does not
+  // know.)
+  __device__ static int divide_by_m_tiles(const PrefillSm90Params& p, int n) { return n / m_tiles(p); }
+  __device__ static int divide_by_pairs(const PrefillSm90Params& p, int n) {
+    return n / (batch_size(p) * (p.base.num_qo_heads >> p.base.gqa_pack));
+  }
+  __device__ static int divide_by_splits(const PrefillSm90Params& p, int n) { return n / kv_splits(p); }
 };
 
 }  // namespace tessera::kernels::sm90
