@@ -71,16 +71,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     // own when it gets there: it runs ahead of the consumers.
     int position = Scheduler::first(p);
     RequestEntries entries{};
-    if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockN>(p, position));
+    if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
     while (position < Scheduler::tiles(p)) {
       consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
       const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
       position = Scheduler::next(p, position);
       if (kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockN>(p, position));
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
       if (w.has_rows()) consumer.compute(w);
       if (!kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockN>(p, position));
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
     }
     consumer.finish_turns();
     consumer.finish_stores();

@@ -30,7 +30,7 @@ struct PrefillSm90Params {
   bool k_token_dim_first = false, v_token_dim_first = false;
   bool kv_gathered = false;  // pages of page_size % 8 != 0: GatheredKVSm90 (no K / V maps)
   // The list shape's divisors, set up once by the launcher (tile_scheduler_sm90.cuh decodes a
-  // position with them where kFastDecode): m_tiles, the list's heads (num_qo_heads >> gqa_pack), batch x those
+  // position with them in the kernels of kFastDecode): m_tiles, the list's heads (num_qo_heads >> gqa_pack), batch x those
   // heads, max(1, kv_splits), the GQA group (num_qo_heads / num_kv_heads).
   FastDivisor m_tiles_divisor, heads_divisor, pairs_divisor, splits_divisor, group_divisor;
 #if TESSERA_SM90_TIMELINE

@@ -47,19 +47,19 @@ struct WorkTile {
   __device__ int kv_tiles() const { return end_kv_tile - first_kv_tile; }
 };
 
-// Experiment switch (notes/prefill_hopper.md, "The decode of a work tile"), off by default until
-// its GPU tests and A/B have run: 1 divides a list position by the list's shape with the
-// launcher's FastDivisors (a multiply-high, an add and a shift each, in place of ~20-40
-// instructions a division by a runtime value: the decode took ~1.2 K cycles of each consumer's
-// tile boundary) in the 128-key kernels (hd64, hd128). The 192-key hd128 and 80-key hd256 kernels
-// keep the divisions: their consumers have no registers for the multiplies' operands (stacks of
-// 32-104 bytes, spills inside the KV loop). As if constexpr over the original code: off, the
-// kernels are the same machine code as without it.
+// The 128 x 128 kernels (hd128's short-row shape) divide a list position by the list's shape
+// with the launcher's FastDivisors (a multiply-high, an add and a shift each, in place of ~20-40
+// instructions a division by a runtime value). The decode of the next work tile then takes ~650
+// instead of ~1.2 K cycles of each consumer's tile boundary; same run (H100, notes/prefill_hopper.md,
+// "The decode of a work tile"): 1K +1.5 / +9.6%, 1K causal +3.2 / +7.8% (two rounds), 2K +0.9%,
+// even from 4K. The others keep the divisions: the 192-key hd128 and 80-key hd256 consumers have
+// no registers for the multiplies' operands (spills inside the KV loop), and hd64 (192 x 128)
+// measured -0.8%. TESSERA_SM90_FAST_DECODE=0 (an ablation switch) turns it off.
 #ifndef TESSERA_SM90_FAST_DECODE
-#define TESSERA_SM90_FAST_DECODE 0
+#define TESSERA_SM90_FAST_DECODE 1
 #endif
-template <int kBlockN>
-constexpr bool kFastDecode = TESSERA_SM90_FAST_DECODE != 0 && kBlockN == 128;
+template <int kBlockM, int kBlockN>
+constexpr bool kFastDecode = TESSERA_SM90_FAST_DECODE != 0 && kBlockM == 128 && kBlockN == 128;
 
 // The list's shape as the launch parameters give it: an eager launch, sized to its step.
 struct ListShapeFromParams {
@@ -115,10 +115,10 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
-// The request of the tile at `cursor` (kBlockN: the kernel's, for kFastDecode).
-template <typename Scheduler, int kBlockN>
+// The request of the tile at `cursor` (kBlockM, kBlockN: the kernel's tile, for kFastDecode).
+template <typename Scheduler, int kBlockM, int kBlockN>
 __device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor) {
-  constexpr bool kFast = kFastDecode<kBlockN>;
+  constexpr bool kFast = kFastDecode<kBlockM, kBlockN>;
   const int position = Scheduler::list_position(p, cursor);
   int request, head, m_tile;
   int tile = position;
@@ -130,7 +130,7 @@ __device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor
 // The tile at `cursor`; `entries` are its request's (load_request_entries).
 template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor, const RequestEntries& entries) {
-  constexpr bool kFast = kFastDecode<kBlockN>;
+  constexpr bool kFast = kFastDecode<kBlockM, kBlockN>;
   const int position = Scheduler::list_position(p, cursor);
   WorkTile w;
   int m_tile;
@@ -164,7 +164,7 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
 template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
 __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor) {
   return make_work_tile<kBlockM, kBlockN, KV, Scheduler>(
-      p, cursor, load_request_entries<KV::kPaged>(p, request_at<Scheduler, kBlockN>(p, cursor)));
+      p, cursor, load_request_entries<KV::kPaged>(p, request_at<Scheduler, kBlockM, kBlockN>(p, cursor)));
 }
 
 struct SingleTileScheduler : ListShapeFromParams {
