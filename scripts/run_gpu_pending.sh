@@ -113,7 +113,7 @@ run_step_3() {
 }
 run_step_6() {
   stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
-  ablation "$(builds_of old t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
+  ablation "$(builds_of old fl t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
 }
 run_step_10() {
   stamp "10 phase timeline (ragged hd128)"

@@ -19,4 +19,12 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// log2(x) with the hardware approximation (lg2.approx, MUFU.LG2: absolute error ~2^-22 for
+// normal x; NaN and +inf pass through).
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 }  // namespace tessera::kernels

@@ -13,6 +13,14 @@
 #include "kernels/attention/common/log2_math.cuh"
 #include "kernels/attention/common/register_tile.cuh"
 
+// Ablation switch (notes/prefill_hopper.md, "The epilogue's first part"), off until timed: 1 takes
+// finish()'s log2(l) from log2_approx (one MUFU.LG2; l >= 2^-8 here, so its ~2^-22 absolute error
+// is far inside the LSE's tolerance) instead of log2f's polynomial, a chain of ~20 dependent FFMAs
+// in every work tile's epilogue (~940 cycles for O / l and LSE at 128-key tiles, H100 timeline).
+#ifndef TESSERA_FAST_LSE
+#define TESSERA_FAST_LSE 0
+#endif
+
 namespace tessera::kernels {
 
 struct OnlineSoftmax {
@@ -74,7 +82,8 @@ struct OnlineSoftmax {
       // fmaxf skips NaN), which must reach O and LSE rather than read as empty.
       const bool empty = l == 0.f;
       inv_sum[r] = empty ? 0.f : 1.f / l;
-      lse[r] = empty ? -INFINITY : (max[r] * log2_scale + log2f(l)) * kLn2;
+      const float log2_l = TESSERA_FAST_LSE ? log2_approx(l) : log2f(l);
+      lse[r] = empty ? -INFINITY : (max[r] * log2_scale + log2_l) * kLn2;
     }
   }
 };
