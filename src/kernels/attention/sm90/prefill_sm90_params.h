@@ -29,9 +29,10 @@ struct PrefillSm90Params {
   bool kv_grouped = false, kv_head_in_blocks = false;  // PagedTensorMaps::grouped / head_in_blocks
   bool k_token_dim_first = false, v_token_dim_first = false;
   bool kv_gathered = false;  // pages of page_size % 8 != 0: GatheredKVSm90 (no K / V maps)
-  // The list shape's divisors, set up once by the launcher (tile_scheduler_sm90.cuh decodes a
-  // position with them in the kernels of kFastDecode): m_tiles, the list's heads (num_qo_heads >> gqa_pack), batch x those
-  // heads, max(1, kv_splits), the GQA group (num_qo_heads / num_kv_heads).
+  // The list shape's divisors, set up once by the launcher (the kernels of kFastDecode,
+  // tile_scheduler_sm90.cuh, decode a position with them): m_tiles, the list's heads
+  // (num_qo_heads >> gqa_pack), batch x those heads, max(1, kv_splits), the GQA group
+  // (num_qo_heads / num_kv_heads). Last in the struct: the other fields keep their offsets.
   FastDivisor m_tiles_divisor, heads_divisor, pairs_divisor, splits_divisor, group_divisor;
 #if TESSERA_SM90_TIMELINE
   unsigned* timeline = nullptr;  // phase_timeline_sm90.cuh's records (experiment builds only)

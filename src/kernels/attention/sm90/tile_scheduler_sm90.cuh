@@ -50,11 +50,12 @@ struct WorkTile {
 // The 128 x 128 kernels (hd128's short-row shape) divide a list position by the list's shape
 // with the launcher's FastDivisors (a multiply-high, an add and a shift each, in place of ~20-40
 // instructions a division by a runtime value). The decode of the next work tile then takes ~650
-// instead of ~1.2 K cycles of each consumer's tile boundary; same run (H100, notes/prefill_hopper.md,
-// "The decode of a work tile"): 1K +1.5 / +9.6%, 1K causal +3.2 / +7.8% (two rounds), 2K +0.9%,
-// even from 4K. The others keep the divisions: the 192-key hd128 and 80-key hd256 consumers have
-// no registers for the multiplies' operands (spills inside the KV loop), and hd64 (192 x 128)
-// measured -0.8%. TESSERA_SM90_FAST_DECODE=0 (an ablation switch) turns it off.
+// instead of ~1.2 K cycles of each consumer's tile boundary; same run (H100,
+// notes/prefill_hopper.md, "The decode of a work tile"): 1K +1.5 / +9.6%, 1K causal +3.2 / +7.8%
+// (two rounds), 2K +0.9%, even from 4K. The others keep the divisions: the 192-key hd128 and
+// 80-key hd256 consumers have no registers for the multiplies' operands (spills inside the KV
+// loop), and hd64 (192 x 128) measured -0.8%. TESSERA_SM90_FAST_DECODE=0 (an ablation switch)
+// turns it off.
 #ifndef TESSERA_SM90_FAST_DECODE
 #define TESSERA_SM90_FAST_DECODE 1
 #endif
@@ -122,7 +123,8 @@ __device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor
   const int position = Scheduler::list_position(p, cursor);
   int request, head, m_tile;
   int tile = position;
-  if (Scheduler::kv_splits(p) > 1) tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
+  if (Scheduler::kv_splits(p) > 1)
+    tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
   decode_position<Scheduler, kFast>(p, tile, request, head, m_tile);
   return request;
 }
@@ -135,7 +137,8 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
   WorkTile w;
   int m_tile;
   int tile = position;
-  if (Scheduler::kv_splits(p) > 1) tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
+  if (Scheduler::kv_splits(p) > 1)
+    tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
   w.split = position - tile * Scheduler::kv_splits(p);
   int list_head;
   decode_position<Scheduler, kFast>(p, tile, w.request, list_head, m_tile);
