@@ -18,13 +18,19 @@
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
 #   10 the phase timeline of the Hopper prefill (bench_tl: -DTESSERA_SM90_TIMELINE=ON) on ragged
 #      hd128 1K, 1K causal, 2K, 4K (bench/prefill_timeline.py)
+#   11 the prefill suite with every peer but FlexAttention, FlashInfer included (its wheels and any
+#      prebuilt modules in WHEELS, default .whl: bench/flashinfer/README.md); the modules it
+#      compiled are copied, xz-compressed, to OUTDIR/flashinfer_modules/NAME/NAME.so.xz for the
+#      next runs (.whl/flashinfer_modules)
+#   12 the decode and prefill_plan suites with cuDNN and FlashInfer (as 11)
 # They run in the order 6 8 10 3 9 4 2 (1 passed on 2026-12-07, H100:
-# bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json); FIRST_STEP starts at that
-# step of the order.
+# bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json), or in the order of the
+# environment's STEPS (e.g. STEPS="6 11"); FIRST_STEP starts at that step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-order=(6 8 10 3 9 4 2)
+read -r -a order <<< "${STEPS:-6 8 10 3 9 4 2}"
+wheels=$(cd "${WHEELS:-.whl}" 2>/dev/null && pwd || echo "")
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
 mkdir -p "$final"
@@ -142,6 +148,41 @@ run_step_9() {
   timeout 150 python3 bench/peers.py --cases bench/cases --suites prefill --no-flex --no-flashinfer --commit "$commit" \
     --out "$out/results_prefill.json" --merge-into "$out/results_prefill.json" > "$out/peers_prefill.log" 2>&1
   tail -35 "$out/peers_prefill.log"
+}
+flashinfer_ready() {  # installs FlashInfer once (its JIT cache under /tmp/flashinfer_home)
+  [ -n "$wheels" ] || { echo "no wheel folder: FlashInfer skipped" | tee -a "$out/progress.txt"; return 1; }
+  [ -d /tmp/flashinfer_site/flashinfer ] || bash bench/flashinfer/install.sh "$wheels" /tmp/flashinfer_site 2>&1 |
+    tail -2 | tee -a "$out/progress.txt"
+  export PYTHONPATH=/tmp/flashinfer_site FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer_home
+}
+save_flashinfer_modules() {
+  local so name
+  for so in /tmp/flashinfer_home/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -e "$so" ] || continue
+    name=$(basename "$so" .so)
+    [ -e "$final/flashinfer_modules/$name/$name.so.xz" ] && continue
+    mkdir -p "$final/flashinfer_modules/$name" && xz -T0 -6 -c "$so" > "$final/flashinfer_modules/$name/$name.so.xz"
+  done
+}
+suite_with_peers() {  # suite_with_peers SUITES CASES NAME TIMEOUT [peers.py arguments]
+  timeout 240 python3 bench/run_bench.py --bench "$B/tessera_bench" --cases "$2" --suites "$1" \
+    --out "$out/results_$3.json" --commit "$commit" > "$out/bench_$3.log" 2>&1
+  timeout "$4" python3 bench/peers.py --cases "$2" --suites "$1" --no-flex --commit "$commit" \
+    --out "$out/results_$3.json" --merge-into "$out/results_$3.json" "${@:5}" > "$out/peers_$3.log" 2>&1
+  echo "peers ($1) rc=$?" | tee -a "$out/progress.txt"
+  tail -40 "$out/peers_$3.log"
+  save_flashinfer_modules
+}
+run_step_11() {
+  stamp "11 the prefill suite with FlashInfer"
+  flashinfer_ready || return
+  suite_with_peers prefill bench/cases prefill_fi 420
+}
+run_step_12() {
+  stamp "12 the decode and prefill_plan suites with FlashInfer"
+  flashinfer_ready || return
+  suite_with_peers decode bench/cases decode_fi 300
+  suite_with_peers prefill_plan bench/cases prefill_plan_fi 300
 }
 for n in "${order[@]}"; do step "$n" && "run_step_$n"; done
 stamp "done"
