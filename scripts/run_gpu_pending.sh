@@ -23,6 +23,9 @@
 #      compiled are copied, xz-compressed, to OUTDIR/flashinfer_modules/NAME/NAME.so.xz for the
 #      next runs (.whl/flashinfer_modules)
 #   12 the decode and prefill_plan suites with cuDNN and FlashInfer (as 11)
+#   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
+#      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
+#      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
 # They run in the order 6 8 10 3 9 4 2 (1 passed on 2026-12-07, H100:
 # bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json), or in the order of the
 # environment's STEPS (e.g. STEPS="6 11"); FIRST_STEP starts at that step of the order.
@@ -183,6 +186,23 @@ run_step_12() {
   flashinfer_ready || return
   suite_with_peers decode bench/cases decode_fi 300
   suite_with_peers prefill_plan bench/cases prefill_plan_fi 300
+}
+run_step_13() {
+  stamp "13 ncu of the paged source at pages 1 and 16"
+  local ncu page work
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "no ncu: skipped" | tee -a "$out/progress.txt"; return; }
+  work=$(mktemp -d)
+  for page in 1 16; do
+    timeout 200 "$ncu" --clock-control none --set full --import-source yes -k regex:prefill_sm90 --launch-skip 10 \
+      --launch-count 1 -f -o "$work/paged_p$page" "$B/tessera_bench" prefill_paged name=p$page batch=2 seq=8192 \
+      num_qo_heads=16 num_kv_heads=16 head_dim=128 causal=false page_size=$page > "$work/paged_p$page.log" 2>&1
+    "$ncu" -i "$work/paged_p$page.ncu-rep" --page details --csv > "$work/paged_p$page.csv" 2>/dev/null
+    "$ncu" -i "$work/paged_p$page.ncu-rep" --page source --csv --print-source sass > "$work/paged_p${page}_sass.csv" 2>/dev/null
+    grep -E '"(Duration|Issued Instructions|L2 Hit Rate|Executed Ipc Active)"' "$work/paged_p$page.csv" | head -6 |
+      tee -a "$out/progress.txt"
+  done
+  tar -C "$work" -cJf "$final/ncu_paged.tar.xz" . && rm -rf "$work"
 }
 for n in "${order[@]}"; do step "$n" && "run_step_$n"; done
 stamp "done"
