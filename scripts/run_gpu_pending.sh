@@ -23,6 +23,8 @@
 #      compiled are copied, xz-compressed, to OUTDIR/flashinfer_modules/NAME/NAME.so.xz for the
 #      next runs (.whl/flashinfer_modules)
 #   12 the decode and prefill_plan suites with cuDNN and FlashInfer (as 11)
+#   14 the attention GPU tests (GpuPrefill*, GpuLargeOffsets*, GpuValidationTable*) of each
+#      switch build's tests in BINDIR (tests_NAME: tessera_tests built with a switch on)
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
@@ -118,11 +120,11 @@ run_step_4() {
 }
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
-  ablation "$(builds_of old wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
+  ablation "$(builds_of old ns wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 }
 run_step_6() {
   stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
-  ablation "$(builds_of old fl t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
+  ablation "$(builds_of old fl ns t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
 }
 run_step_10() {
   stamp "10 phase timeline (ragged hd128)"
@@ -186,6 +188,14 @@ run_step_12() {
   flashinfer_ready || return
   suite_with_peers decode bench/cases decode_fi 300
   suite_with_peers prefill_plan bench/cases prefill_plan_fi 300
+}
+run_step_14() {
+  stamp "14 the attention GPU tests of the switch builds"
+  local t
+  for t in "$B"/tests_*; do
+    [ -x "$t" ] || continue
+    tests "$(basename "$t")" 'GpuPrefill*:GpuLargeOffsets*:GpuValidationTable*' "$(basename "$t").log" 300
+  done
 }
 run_step_13() {
   stamp "13 ncu of the paged source at pages 1 and 16"

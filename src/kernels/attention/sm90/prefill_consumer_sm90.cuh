@@ -287,92 +287,152 @@ struct PrefillConsumer {
     if constexpr (Config::kStoreOViaSmem) bulk_wait_all_if<0>(threadIdx.x % 128 == 0);
   }
 
-  __device__ void compute(const WorkTile& w) {
+  // S = Q K^T of a work tile's first KV tile (the last-indexed one) into s, issued once its Q
+  // and K have landed; first_scores_done waits for it.
+  __device__ void issue_first_scores(STile& s) {
+    q_slot = q_ring.stage;
+    smem.barriers().q_full[q_slot].wait(q_ring.phase);
+    timeline.stamp(kQReady);
+    q_ring.advance();
+    wait_keys(ring);
+    fence_registers(s);
+    take_boundary_turn();
+    wgmma_fence();
+    issue_scores(s, ring.stage);
+    pass_boundary_turn();
+  }
+  __device__ void first_scores_done(STile& s, int tiles) {
+    wgmma_wait<0>();
+    timeline.stamp(kFirstScores);
+    fence_registers(s);
+    release(smem.barriers().k_empty[ring.stage]);
+    if (tiles == 1) release_q_after_scores();
+  }
+
+  // A work tile's KV tiles once its first S has completed in s: that tile's softmax, then the
+  // loop (S of a tile overlapped with P V of the one before), then the last P V, completed.
+  __device__ void kv_loop(const WorkTile& w, STile& s, OTile& o, OnlineSoftmax& softmax) {
     auto& bar = smem.barriers();
+    const int tiles = w.kv_tiles();
+    PFragments pf;
+    int tile = w.end_kv_tile - 1;
+    logits_and_mask(s, w, tile * kBlockN);
+    softmax.first(s);
+    convert(s, pf);
+    RingPosition<Config::kStages> prev = ring;
+    bool prev_partial = (tile + 1) * kBlockN > w.kv_len;
+    ring.advance();
+    // The rest: S of this tile overlapped with P V of the previous one.
+    for (int i = 1; i < tiles; ++i) {
+      --tile;
+      timeline.wait_begin();
+      wait_keys(ring);
+      fence_registers(s);
+      fence_registers(o);
+      fence_registers(pf);
+      take_turn();
+      timeline.wait_end(kWaitInputs);
+      wgmma_fence();
+      issue_scores(s, ring.stage);
+      wait_values(prev, prev_partial);
+      issue_values(pf, o, prev.stage);
+      pass_turn();
+      timeline.wait_begin();
+      wgmma_wait<1>();
+      timeline.wait_end(kWaitScores);
+      fence_registers(s);
+      release(bar.k_empty[ring.stage]);
+      if (i == tiles - 1) release_q_after_scores();
+      logits_and_mask(s, w, tile * kBlockN);
+      float rescale[2];
+      const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
+      timeline.wait_begin();
+      wgmma_wait<0>();
+      timeline.wait_end(kWaitValues);
+      fence_registers(o);
+      fence_registers(pf);
+      release(bar.v_empty[prev.stage]);
+      if (i == tiles - Config::kStages + 1) o_stage_read();
+      if (rescale_o) mul_row(o, rescale);
+      convert(s, pf);
+      prev = ring;
+      prev_partial = false;
+      ring.advance();
+    }
+    timeline.stamp(kLoopEnd);
+    wait_values(prev, prev_partial);
+    fence_registers(o);
+    fence_registers(pf);
+    take_boundary_turn();
+    wgmma_fence();
+    issue_values(pf, o, prev.stage);
+    pass_boundary_turn();
+    wgmma_wait<0>();
+    timeline.stamp(kLastValues);
+    fence_registers(o);
+    release(bar.v_empty[prev.stage]);
+    if (tiles < Config::kStages) o_stage_read();
+  }
+
+  __device__ void compute(const WorkTile& w) {
     timeline.begin_tile();
     OTile o;
     fill(o, 0.f);
     OnlineSoftmax softmax(logits.log2_scale);
     const int tiles = w.kv_tiles();
     if (tiles > 0) {
-      q_slot = q_ring.stage;
-      bar.q_full[q_slot].wait(q_ring.phase);
-      timeline.stamp(kQReady);
-      q_ring.advance();
       STile s;
-      PFragments pf;
-      int tile = w.end_kv_tile - 1;
-      // The first tile: S, softmax, P.
-      wait_keys(ring);
-      fence_registers(s);
-      take_boundary_turn();
-      wgmma_fence();
-      issue_scores(s, ring.stage);
-      pass_boundary_turn();
-      wgmma_wait<0>();
-      timeline.stamp(kFirstScores);
-      fence_registers(s);
-      release(bar.k_empty[ring.stage]);
-      if (tiles == 1) release_q_after_scores();
-      logits_and_mask(s, w, tile * kBlockN);
-      softmax.first(s);
-      convert(s, pf);
-      RingPosition<Config::kStages> prev = ring;
-      bool prev_partial = (tile + 1) * kBlockN > w.kv_len;
-      ring.advance();
-      // The rest: S of this tile overlapped with P V of the previous one.
-      for (int i = 1; i < tiles; ++i) {
-        --tile;
-        timeline.wait_begin();
-        wait_keys(ring);
-        fence_registers(s);
-        fence_registers(o);
-        fence_registers(pf);
-        take_turn();
-        timeline.wait_end(kWaitInputs);
-        wgmma_fence();
-        issue_scores(s, ring.stage);
-        wait_values(prev, prev_partial);
-        issue_values(pf, o, prev.stage);
-        pass_turn();
-        timeline.wait_begin();
-        wgmma_wait<1>();
-        timeline.wait_end(kWaitScores);
-        fence_registers(s);
-        release(bar.k_empty[ring.stage]);
-        if (i == tiles - 1) release_q_after_scores();
-        logits_and_mask(s, w, tile * kBlockN);
-        float rescale[2];
-        const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
-        timeline.wait_begin();
-        wgmma_wait<0>();
-        timeline.wait_end(kWaitValues);
-        fence_registers(o);
-        fence_registers(pf);
-        release(bar.v_empty[prev.stage]);
-        if (i == tiles - Config::kStages + 1) o_stage_read();
-        if (rescale_o) mul_row(o, rescale);
-        convert(s, pf);
-        prev = ring;
-        prev_partial = false;
-        ring.advance();
-      }
-      timeline.stamp(kLoopEnd);
-      wait_values(prev, prev_partial);
-      fence_registers(o);
-      fence_registers(pf);
-      take_boundary_turn();
-      wgmma_fence();
-      issue_values(pf, o, prev.stage);
-      pass_boundary_turn();
-      wgmma_wait<0>();
-      timeline.stamp(kLastValues);
-      fence_registers(o);
-      release(bar.v_empty[prev.stage]);
-      if (tiles < Config::kStages) o_stage_read();
+      issue_first_scores(s);
+      first_scores_done(s, tiles);
+      kv_loop(w, s, o, softmax);
     }
     epilogue(o, softmax, w, tiles > 0, ring.stage);  // (ring: the stage after the tile's last)
     timeline.end_tile(w);
+  }
+
+  // Config::kNextScoresEarly: the CTA's walk over its work tiles with each tile's first S issued
+  // before the previous tile's epilogue, so that the tensor cores compute it while the epilogue
+  // runs (notes/prefill_hopper.md). Its Q sits in the second Q buffer (Config::kQStages == 2),
+  // loaded during the whole previous tile. ptxas keeps the products asynchronous only if every
+  // wgmma's issue and wait lie in one block of the control flow (it correlates no conditions: a
+  // wait after the join of a conditional issue, or an S in flight across the loop's back edge,
+  // serialises every wgmma of the kernel, C7515), hence the epilogue written in both branches.
+  // next_tile(w): the next work tile with rows, as the kernel's walk decodes it; false at the end.
+  template <typename NextTile>
+  __device__ void compute_all_next_scores_early(NextTile&& next_tile) {
+    static_assert(Config::kQStages == 2 && !Config::kOSharesBuffer, "the next Q in its own buffer, O in its own tiles");
+    WorkTile w;
+    if (!next_tile(w)) return;
+    STile s;
+    bool s_done = false;  // s holds w's first S, completed
+    while (true) {
+      timeline.begin_tile();
+      OTile o;
+      fill(o, 0.f);
+      OnlineSoftmax softmax(logits.log2_scale);
+      const int tiles = w.kv_tiles();
+      WorkTile n;
+      const bool more = next_tile(n);
+      if (tiles > 0 && !s_done) {
+        issue_first_scores(s);
+        wgmma_wait<0>();
+      }
+      if (tiles > 0) {
+        first_scores_done(s, tiles);
+        kv_loop(w, s, o, softmax);
+      }
+      s_done = more && n.kv_tiles() > 0;
+      if (s_done) {
+        issue_first_scores(s);
+        epilogue(o, softmax, w, tiles > 0, ring.stage);
+        wgmma_wait<0>();
+      } else {
+        epilogue(o, softmax, w, tiles > 0, ring.stage);
+      }
+      timeline.end_tile(w);
+      if (!more) break;
+      w = n;
+    }
   }
 };
 
