@@ -287,21 +287,23 @@ struct PrefillConsumer {
     if constexpr (Config::kStoreOViaSmem) bulk_wait_all_if<0>(threadIdx.x % 128 == 0);
   }
 
-  // S = Q K^T of a work tile's first KV tile (the last-indexed one) into s, issued once its Q
-  // and K have landed; first_scores_done waits for it.
-  __device__ void issue_first_scores(STile& s) {
+  // S = Q K^T of a work tile's first KV tile (the last-indexed one, returned) into s, issued once
+  // its Q and K have landed; first_scores_done waits for it.
+  __device__ __forceinline__ int issue_first_scores(STile& s, const WorkTile& w) {
     q_slot = q_ring.stage;
     smem.barriers().q_full[q_slot].wait(q_ring.phase);
     timeline.stamp(kQReady);
     q_ring.advance();
+    const int tile = w.end_kv_tile - 1;  // (read here: the kernels' instruction order as measured)
     wait_keys(ring);
     fence_registers(s);
     take_boundary_turn();
     wgmma_fence();
     issue_scores(s, ring.stage);
     pass_boundary_turn();
+    return tile;
   }
-  __device__ void first_scores_done(STile& s, int tiles) {
+  __device__ __forceinline__ void first_scores_done(STile& s, int tiles) {
     wgmma_wait<0>();
     timeline.stamp(kFirstScores);
     fence_registers(s);
@@ -309,13 +311,12 @@ struct PrefillConsumer {
     if (tiles == 1) release_q_after_scores();
   }
 
-  // A work tile's KV tiles once its first S has completed in s: that tile's softmax, then the
-  // loop (S of a tile overlapped with P V of the one before), then the last P V, completed.
-  __device__ void kv_loop(const WorkTile& w, STile& s, OTile& o, OnlineSoftmax& softmax) {
+  // A work tile's KV tiles once its first S (of KV tile `tile`) has completed in s: that tile's
+  // softmax, then the loop (S of a tile overlapped with P V of the one before), then the last
+  // P V, completed.
+  __device__ __forceinline__ void kv_loop(const WorkTile& w, int tiles, int tile, STile& s, OTile& o, OnlineSoftmax& softmax) {
     auto& bar = smem.barriers();
-    const int tiles = w.kv_tiles();
     PFragments pf;
-    int tile = w.end_kv_tile - 1;
     logits_and_mask(s, w, tile * kBlockN);
     softmax.first(s);
     convert(s, pf);
@@ -382,9 +383,9 @@ struct PrefillConsumer {
     const int tiles = w.kv_tiles();
     if (tiles > 0) {
       STile s;
-      issue_first_scores(s);
+      const int tile = issue_first_scores(s, w);
       first_scores_done(s, tiles);
-      kv_loop(w, s, o, softmax);
+      kv_loop(w, tiles, tile, s, o, softmax);
     }
     epilogue(o, softmax, w, tiles > 0, ring.stage);  // (ring: the stage after the tile's last)
     timeline.end_tile(w);
@@ -414,16 +415,16 @@ struct PrefillConsumer {
       WorkTile n;
       const bool more = next_tile(n);
       if (tiles > 0 && !s_done) {
-        issue_first_scores(s);
+        issue_first_scores(s, w);
         wgmma_wait<0>();
       }
       if (tiles > 0) {
         first_scores_done(s, tiles);
-        kv_loop(w, s, o, softmax);
+        kv_loop(w, tiles, w.end_kv_tile - 1, s, o, softmax);
       }
       s_done = more && n.kv_tiles() > 0;
       if (s_done) {
-        issue_first_scores(s);
+        issue_first_scores(s, n);
         epilogue(o, softmax, w, tiles > 0, ring.stage);
         wgmma_wait<0>();
       } else {

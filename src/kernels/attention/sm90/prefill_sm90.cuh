@@ -85,16 +85,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
         }
         return false;
       });
-    }
-    while (!Config::kNextScoresEarly && position < Scheduler::tiles(p)) {
-      consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
-      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
-      position = Scheduler::next(p, position);
-      if (kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-      if (w.has_rows()) consumer.compute(w);
-      if (!kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+    } else {
+      while (position < Scheduler::tiles(p)) {
+        consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
+        const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
+        position = Scheduler::next(p, position);
+        if (kPrefetchEntries && position < Scheduler::tiles(p))
+          entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+        if (w.has_rows()) consumer.compute(w);
+        if (!kPrefetchEntries && position < Scheduler::tiles(p))
+          entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+      }
     }
     consumer.finish_turns();
     consumer.finish_stores();
