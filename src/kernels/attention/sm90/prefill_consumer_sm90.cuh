@@ -375,17 +375,93 @@ struct PrefillConsumer {
     if (tiles < Config::kStages) o_stage_read();
   }
 
+  // One work tile, start to end. (Its steps are written out here rather than through
+  // issue_first_scores / first_scores_done / kv_loop, which compute_all_next_scores_early uses:
+  // through them the compiler orders the 192-key and hd256 kernels' instructions differently, and
+  // those kernels are kept as their GPU runs measured them until an A/B has timed the parts.)
   __device__ void compute(const WorkTile& w) {
+    auto& bar = smem.barriers();
     timeline.begin_tile();
     OTile o;
     fill(o, 0.f);
     OnlineSoftmax softmax(logits.log2_scale);
     const int tiles = w.kv_tiles();
     if (tiles > 0) {
+      q_slot = q_ring.stage;
+      bar.q_full[q_slot].wait(q_ring.phase);
+      timeline.stamp(kQReady);
+      q_ring.advance();
       STile s;
-      const int tile = issue_first_scores(s, w);
-      first_scores_done(s, tiles);
-      kv_loop(w, tiles, tile, s, o, softmax);
+      PFragments pf;
+      int tile = w.end_kv_tile - 1;
+      // The first tile: S, softmax, P.
+      wait_keys(ring);
+      fence_registers(s);
+      take_boundary_turn();
+      wgmma_fence();
+      issue_scores(s, ring.stage);
+      pass_boundary_turn();
+      wgmma_wait<0>();
+      timeline.stamp(kFirstScores);
+      fence_registers(s);
+      release(bar.k_empty[ring.stage]);
+      if (tiles == 1) release_q_after_scores();
+      logits_and_mask(s, w, tile * kBlockN);
+      softmax.first(s);
+      convert(s, pf);
+      RingPosition<Config::kStages> prev = ring;
+      bool prev_partial = (tile + 1) * kBlockN > w.kv_len;
+      ring.advance();
+      // The rest: S of this tile overlapped with P V of the previous one.
+      for (int i = 1; i < tiles; ++i) {
+        --tile;
+        timeline.wait_begin();
+        wait_keys(ring);
+        fence_registers(s);
+        fence_registers(o);
+        fence_registers(pf);
+        take_turn();
+        timeline.wait_end(kWaitInputs);
+        wgmma_fence();
+        issue_scores(s, ring.stage);
+        wait_values(prev, prev_partial);
+        issue_values(pf, o, prev.stage);
+        pass_turn();
+        timeline.wait_begin();
+        wgmma_wait<1>();
+        timeline.wait_end(kWaitScores);
+        fence_registers(s);
+        release(bar.k_empty[ring.stage]);
+        if (i == tiles - 1) release_q_after_scores();
+        logits_and_mask(s, w, tile * kBlockN);
+        float rescale[2];
+        const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
+        timeline.wait_begin();
+        wgmma_wait<0>();
+        timeline.wait_end(kWaitValues);
+        fence_registers(o);
+        fence_registers(pf);
+        release(bar.v_empty[prev.stage]);
+        if (i == tiles - Config::kStages + 1) o_stage_read();
+        if (rescale_o) mul_row(o, rescale);
+        convert(s, pf);
+        prev = ring;
+        prev_partial = false;
+        ring.advance();
+      }
+      timeline.stamp(kLoopEnd);
+      wait_values(prev, prev_partial);
+      fence_registers(o);
+      fence_registers(pf);
+      take_boundary_turn();
+      wgmma_fence();
+      issue_values(pf, o, prev.stage);
+      pass_boundary_turn();
+      wgmma_wait<0>();
+      timeline.stamp(kLastValues);
+      fence_registers(o);
+      release(bar.v_empty[prev.stage]);
+      if (tiles < Config::kStages) o_stage_read();
     }
     epilogue(o, softmax, w, tiles > 0, ring.stage);  // (ring: the stage after the tile's last)
     timeline.end_tile(w);
