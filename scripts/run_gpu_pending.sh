@@ -18,7 +18,7 @@
 #   9 the prefill_plan serving cases and the prefill suite with cuDNN / torch flash in the same run
 #   10 the phase timeline of the Hopper prefill (bench_tl: -DTESSERA_SM90_TIMELINE=ON) on ragged
 #      hd128 1K, 1K causal, 2K, 4K (bench/prefill_timeline.py)
-#   11 the prefill suite with every peer but FlexAttention, FlashInfer included (its wheels and any
+#   11 the prefill suite's hd128 cases (GQA at 2K and 4K) with every peer but FlexAttention, FlashInfer included (its wheels and any
 #      prebuilt modules in WHEELS, default .whl: bench/flashinfer/README.md); the modules it
 #      compiled are copied, xz-compressed, to OUTDIR/flashinfer_modules/NAME/NAME.so.xz for the
 #      next runs (.whl/flashinfer_modules)
@@ -93,6 +93,14 @@ json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
 plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
 json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
+# Step 11's prefill cases: head dim 128 only (one FlashInfer module to compile), every length, and
+# the GQA cases at 2K and 4K.
+import os
+os.makedirs(f"{out}/hd128", exist_ok=True)
+prefill = json.load(open("bench/cases/prefill.json"))
+prefill["cases"] = [c for c in prefill["cases"] if c["head_dim"] == 128 and
+                    ("gqa" not in c["name"] or c["seq"] <= 4096)]
+json.dump(prefill, open(f"{out}/hd128/prefill.json", "w"))
 EOF
 
 run_step_1() {
@@ -181,7 +189,7 @@ suite_with_peers() {  # suite_with_peers SUITES CASES NAME TIMEOUT [peers.py arg
 run_step_11() {
   stamp "11 the prefill suite with FlashInfer"
   flashinfer_ready || return
-  suite_with_peers prefill bench/cases prefill_fi 420
+  suite_with_peers prefill "$cases/hd128" prefill_fi 420
 }
 run_step_12() {
   stamp "12 the decode and prefill_plan suites with FlashInfer"
