@@ -4,6 +4,7 @@
 #   tessera_tests, tessera_bench, tessera_plan_bench   this tree, sm_90 only (build-gpu/)
 #   bench_NAME                                         the Hopper prefill's A/B switches, hd128 bf16
 #                                                      (scripts/build_prefill_variants.sh)
+#   tests_rlrg                                         tessera_tests with the gathered source's switches
 #   bench_pp                                           hd128 bf16 with -DTESSERA_PLAN_PHASES=ON (plan()
 #                                                      by phase)
 #   bench_tl                                           hd128 bf16 with -DTESSERA_SM90_TIMELINE=ON (the
@@ -26,10 +27,18 @@ pack build-gpu/tests/tessera_tests tessera_tests
 pack build-gpu/bench/tessera_bench tessera_bench
 pack build-gpu/bench/tessera_plan_bench tessera_plan_bench
 
-# The A/B owed: the epilogue's LSE by MUFU.LG2 (notes/prefill_hopper.md). (The boundary and
-# gathered-source switches wf, ka, nf, s3, t, kp, kpt were timed on 2026-12-07 and not adopted;
-# build them the same way to time them again.)
-scripts/build_prefill_variants.sh "$bin" 'fl=-DTESSERA_FAST_LSE=1'
+# The A/B owed (steps 3 and 14 of run_gpu_pending.sh): the gathered source's line copies and its
+# producer's registers (notes/prefill_hopper.md, "The gathered source under ncu"), and the GPU
+# tests of a build with both. (fl, ns and the boundary and gathered-source switches wf, ka, nf,
+# s3, t, kp, kpt were timed on 2026-12-07 and not adopted; build them the same way to time them
+# again.)
+gather_flags=(-DTESSERA_SM90_GATHER_ROW_LINES=1 -DTESSERA_SM90_GATHER_PRODUCER_REGISTERS=1)
+scripts/build_prefill_variants.sh "$bin" 'rl=-DTESSERA_SM90_GATHER_ROW_LINES=1' \
+  'rg=-DTESSERA_SM90_GATHER_PRODUCER_REGISTERS=1' "rlrg=${gather_flags[*]}"
+cmake -S . -B build-gpu-rlrg "${cmake_args[@]}" "-DCMAKE_CUDA_FLAGS=${gather_flags[*]}" > /dev/null
+cmake --build build-gpu-rlrg -j "$(nproc)" --target tessera_tests > build-gpu-rlrg/pending.log 2>&1 ||
+  { echo "build of build-gpu-rlrg failed (see build-gpu-rlrg/pending.log)" >&2; exit 1; }
+pack build-gpu-rlrg/tests/tessera_tests tests_rlrg
 
 VARIANT_CMAKE_ARGS=-DTESSERA_PLAN_PHASES=ON scripts/build_prefill_variants.sh "$bin" 'pp='
 VARIANT_CMAKE_ARGS=-DTESSERA_SM90_TIMELINE=ON scripts/build_prefill_variants.sh "$bin" 'tl='

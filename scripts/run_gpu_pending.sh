@@ -28,13 +28,14 @@
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
-# They run in the order 6 8 10 3 9 4 2 (1 passed on 2026-12-07, H100:
-# bench/results/2026-12-07_h100_decode_parts_merge_kernel_ab.json), or in the order of the
-# environment's STEPS (e.g. STEPS="6 11"); FIRST_STEP starts at that step of the order.
+# They run in the order 3 14 12 11 (what is owed after 2026-12-07's run: the gathered source's
+# switches timed and tested, then the decode / prefill_plan suites and the prefill suite with
+# FlashInfer; its modules in WHEELS/flashinfer_modules skip the JIT), or in the order of the
+# environment's STEPS (e.g. STEPS="6 8 10 9 4 2"); FIRST_STEP starts at that step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-read -r -a order <<< "${STEPS:-6 8 10 3 9 4 2}"
+read -r -a order <<< "${STEPS:-3 14 12 11}"
 wheels=$(cd "${WHEELS:-.whl}" 2>/dev/null && pwd || echo "")
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
@@ -128,7 +129,7 @@ run_step_4() {
 }
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
-  ablation "$(builds_of old ns wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
+  ablation "$(builds_of old ns rl rg rlrg wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 }
 run_step_6() {
   stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
@@ -212,7 +213,9 @@ run_step_13() {
   [ -n "$ncu" ] || { echo "no ncu: skipped" | tee -a "$out/progress.txt"; return; }
   work=$(mktemp -d)
   for page in 1 16; do
-    timeout 200 "$ncu" --clock-control none --set full --import-source yes -k regex:prefill_sm90 --launch-skip 10 \
+    # (The benchmark also times the ragged kernel on the same tokens: the filter names the source.)
+    local source=PagedKVSm90; [ "$page" = 1 ] && source=GatheredKVSm90
+    timeout 200 "$ncu" --clock-control none --set full --import-source yes --kernel-name-base demangled -k regex:"prefill_sm90.*$source" --launch-skip 10 \
       --launch-count 1 -f -o "$work/paged_p$page" "$B/tessera_bench" prefill_paged name=p$page batch=2 seq=8192 \
       num_qo_heads=16 num_kv_heads=16 head_dim=128 causal=false page_size=$page > "$work/paged_p$page.log" 2>&1
     "$ncu" -i "$work/paged_p$page.ncu-rep" --page details --csv > "$work/paged_p$page.csv" 2>/dev/null

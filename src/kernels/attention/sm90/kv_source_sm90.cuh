@@ -35,6 +35,11 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_GATHER_WRITER_FENCE
 #define TESSERA_SM90_GATHER_WRITER_FENCE 0
 #endif
+// 1: the gathered source copies whole 128-byte lines, eight lanes a row (GatheredKVSm90, "line
+// copies"); 0: the lane pairs of 32-byte sectors it was measured with first.
+#ifndef TESSERA_SM90_GATHER_ROW_LINES
+#define TESSERA_SM90_GATHER_ROW_LINES 0
+#endif
 
 // A KV source reads a request's extent from its RequestEntries and is used in two steps per tile,
 // so the page-id loads of the next tile can be in flight while the producer waits for ring slots
@@ -171,6 +176,14 @@ struct PagedKVSm90 {
 // The first versions passed each row's page from the lane holding it by shuffle, ~25
 // instructions a copy: the consumers waited on K 36% of the time (ncu, hd128 page 1), 82 TFLOP/s
 // with one copying warp, 267 with four (the ragged kernel 695).
+// Line copies (TESSERA_SM90_GATHER_ROW_LINES=1): ncu of hd128 8K page 1 (H100, 2026-12-07) had
+// the L2 at 85% of its throughput against 24% for the same tokens in page-16 TMA boxes, with
+// 97% hits: the L2 is busy with requests, not bytes. A lane pair's copy instruction asks 16 lines
+// for one 32-byte sector each. With eight lanes a row, one instruction reads 4 rows' whole
+// 128-byte lines (four sectors a request, as TMA's boxes), a quarter of the requests. Lane j of
+// warp w looks up row 32 w + j's page once a tile; each group of four rows takes its pages from
+// their lanes by shuffle (two a group) before its copies: chunk 8 h + lane % 8 of row
+// 32 w + 4 g + lane / 8, h over the row's 128-byte halves (blocks).
 template <int kBlockN, int kHeadDim>
 struct GatheredKVSm90 {
   static constexpr bool kPaged = true;
@@ -185,36 +198,61 @@ struct GatheredKVSm90 {
   static constexpr bool kWriterFence = TESSERA_SM90_GATHER_WRITER_FENCE != 0;
   static constexpr bool kConsumersFence = !kWriterFence;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr bool kRowLines = TESSERA_SM90_GATHER_ROW_LINES != 0;
   static_assert(kChunks % 2 == 0 && kChunks <= 32, "lane pairs split a row's chunks");
+  static_assert(!kRowLines || kChunks % 8 == 0, "line copies: eight lanes a 128-byte column block");
   static_assert(kBlockN <= 32 * kProducerWarps, "two rows per lane pair and warp half");
   static_assert(kBlockN % 16 == 0, "a warp half's 16 rows lie wholly inside the tile or wholly past it");
   __device__ static void extent(const RequestEntries& e, int page_size, int& kv_start, int& kv_len) {
     paged_extent(e, page_size, kv_start, kv_len);
   }
-  // Row i (0, 1) of this thread: 32 warp + 16 i + lane / 2.
-  __device__ static int row_of(int thread, int i) { return 32 * (thread / 32) + 16 * i + (thread % 32) / 2; }
-  struct Where {
+  // Row i of this thread whose page it looks up: lane pairs, 32 warp + 16 i + lane / 2 (i = 0, 1);
+  // line copies, 32 warp + lane (i = 0 only).
+  __device__ static int row_of(int thread, int i) {
+    return kRowLines ? thread : 32 * (thread / 32) + 16 * i + (thread % 32) / 2;
+  }
+  struct LanePairWhere {
     int keys;             // the tile's keys inside the request (<= kBlockN), the same for every thread
     int page[2], token[2];  // this thread's rows' page ids and tokens (page -1: past the keys)
   };
+  struct RowLinesWhere {
+    int keys;
+    int64_t k_offset, v_offset;  // row 32 warp + lane's page and token in K's and V's elements
+  };
+  using Where = std::conditional_t<kRowLines, RowLinesWhere, LanePairWhere>;
   __device__ static Where locate(const PrefillSm90Params& p, int kv_start, int kv_len, int n0, int thread) {
     Where where;
     where.keys = min(kv_len - n0, kBlockN);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = row_of(thread, i);
-      where.page[i] = -1;
-      where.token[i] = 0;
+    if constexpr (kRowLines) {
+      where.k_offset = where.v_offset = 0;
+      const int row = row_of(thread, 0);
       if (row < where.keys) {
         const unsigned key = unsigned(n0 + row);
         const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
-        where.page[i] = p.base.kv_indices[kv_start + int(page_of_key)];
-        TESSERA_DEVICE_CHECK_QUIET(where.page[i] >= 0 && where.page[i] < p.base.num_pages,
-                                   "a kv_indices page id outside the page tensors");
-        where.token[i] = int(key - page_of_key * unsigned(p.base.page_size));
+        const int page = p.base.kv_indices[kv_start + int(page_of_key)];
+        TESSERA_DEVICE_CHECK_QUIET(page >= 0 && page < p.base.num_pages, "a kv_indices page id outside the page tensors");
+        const int token = int(key - page_of_key * unsigned(p.base.page_size));
+        where.k_offset = page * p.base.k_stride_page + token * p.base.k_stride_token;
+        where.v_offset = page * p.base.v_stride_page + token * p.base.v_stride_token;
       }
+      return where;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = row_of(thread, i);
+        where.page[i] = -1;
+        where.token[i] = 0;
+        if (row < where.keys) {
+          const unsigned key = unsigned(n0 + row);
+          const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
+          where.page[i] = p.base.kv_indices[kv_start + int(page_of_key)];
+          TESSERA_DEVICE_CHECK_QUIET(where.page[i] >= 0 && where.page[i] < p.base.num_pages,
+                                     "a kv_indices page id outside the page tensors");
+          where.token[i] = int(key - page_of_key * unsigned(p.base.page_size));
+        }
+      }
+      return where;
     }
-    return where;
   }
   template <KVOperand kOperand, typename Tile>
   __device__ static void load(const PrefillSm90Params& p, const Tile& tile, Mbarrier& full, int kv_head,
@@ -225,22 +263,44 @@ struct GatheredKVSm90 {
     const int64_t stride_page = kKeys ? p.base.k_stride_page : p.base.v_stride_page;
     const int64_t stride_token = kKeys ? p.base.k_stride_token : p.base.v_stride_token;
     const int64_t stride_head = kKeys ? p.base.k_stride_head : p.base.v_stride_head;
-    const int half = thread % 2;  // this lane's chunks: 2 k + half
+    if constexpr (kRowLines) {
+      const int lane = thread % 32, warp_row0 = 32 * (thread / 32);
+      const int64_t offset = kKeys ? where.k_offset : where.v_offset;
+      // This lane's chunk of any row, and its swizzled place in the rows of group g (g % 2 says
+      // the row's place in its 8-row swizzle atom: rows 4 g + lane / 8).
+      const unsigned char* head_base = base + (kv_head * stride_head + 8 * (lane % 8)) * 2;
+      uint32_t to[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = row_of(thread, i);
-      if (32 * (thread / 32) + 16 * i >= kBlockN) break;  // hd256's 80-row tiles: uniform per warp
-      const bool valid = where.page[i] >= 0;
-      const unsigned char* src =
-          valid ? base + ((where.page[i] * stride_page + where.token[i] * stride_token + kv_head * stride_head) + 8 * half) * 2
-                : base;
-      const uint32_t dst = smem_u32(tile.block(0)) + row * 128 + ((row % 8) * 16);
+      for (int parity = 0; parity < 2; ++parity)
+        to[parity] = smem_u32(tile.block(0)) + (warp_row0 + lane / 8) * 128 + (((4 * parity + lane / 8) ^ (lane % 8)) * 16);
 #pragma unroll
-      for (int k = 0; k < kChunks / 2; ++k) {
-        const int c = 2 * k;  // this lane's chunk is c + half; (c + half) % 8 * 16 == (c % 8) * 16 ^ half * 16
-        const uint32_t to = ((dst ^ ((c % 8) * 16) ^ (half * 16))) + (c / 8) * Tile::kBlockBytes;
-        // Past kv_len src is the tensor's first row, and src + 32 k stays inside it: nothing is read.
-        cp_async_16(to, src + 32 * k, valid);
+      for (int g = 0; g < 8; ++g) {
+        if (warp_row0 + 4 * g >= kBlockN) break;  // hd256's 80-row tiles: uniform per warp
+        const int64_t row_offset = __shfl_sync(0xffffffffu, offset, 4 * g + lane / 8);
+        const bool valid = warp_row0 + 4 * g + lane / 8 < where.keys;
+        // Past kv_len the row's offset is 0 (locate): src is the head's first row, nothing is read.
+        const unsigned char* src = head_base + row_offset * 2;
+#pragma unroll
+        for (int h = 0; h < kChunks / 8; ++h) cp_async_16(to[g % 2] + g * 512 + h * Tile::kBlockBytes, src + 128 * h, valid);
+      }
+    } else {
+      const int half = thread % 2;  // this lane's chunks: 2 k + half
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = row_of(thread, i);
+        if (32 * (thread / 32) + 16 * i >= kBlockN) break;  // hd256's 80-row tiles: uniform per warp
+        const bool valid = where.page[i] >= 0;
+        const unsigned char* src =
+            valid ? base + ((where.page[i] * stride_page + where.token[i] * stride_token + kv_head * stride_head) + 8 * half) * 2
+                  : base;
+        const uint32_t dst = smem_u32(tile.block(0)) + row * 128 + ((row % 8) * 16);
+#pragma unroll
+        for (int k = 0; k < kChunks / 2; ++k) {
+          const int c = 2 * k;  // this lane's chunk is c + half; (c + half) % 8 * 16 == (c % 8) * 16 ^ half * 16
+          const uint32_t to = ((dst ^ ((c % 8) * 16) ^ (half * 16))) + (c / 8) * Tile::kBlockBytes;
+          // Past kv_len src is the tensor's first row, and src + 32 k stays inside it: nothing is read.
+          cp_async_16(to, src + 32 * k, valid);
+        }
       }
     }
     // The slot's previous contents were last read by the consumers' wgmma (async proxy) before

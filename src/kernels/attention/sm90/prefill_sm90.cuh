@@ -33,6 +33,23 @@ namespace tessera::kernels::sm90 {
 #endif
 constexpr bool kPrefetchEntries = TESSERA_SM90_PREFETCH_ENTRIES != 0;
 
+// Ablation switch: 1 gives the gathered source's producer (four copying warps) 40 registers and
+// each of two consumer warpgroups 232 (from 24 and 240): at 24 its copy loop spills (ncu of hd128
+// 8K page 1, H100: 7.0 M local-memory requests a launch against 16 K with TMA boxes).
+#ifndef TESSERA_SM90_GATHER_PRODUCER_REGISTERS
+#define TESSERA_SM90_GATHER_PRODUCER_REGISTERS 0
+#endif
+// setmaxnreg's split of the CTA's registers between the producer and the consumer warpgroups.
+template <typename Config, typename KV>
+struct RegisterSplit {
+  static constexpr bool kWideProducer =
+      TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 && Config::kConsumers == 2;
+  static constexpr int kProducer = kWideProducer ? 40 : Config::kProducerRegisters;
+  static constexpr int kConsumer = kWideProducer ? 232 : Config::kConsumerRegisters;
+  static_assert(kProducer * 128 + kConsumer * 128 * Config::kConsumers <= Config::kLaunchRegisters * Config::kThreads,
+                "setmaxnreg budgets beyond the registers the CTA holds from its launch");
+};
+
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ unsigned char raw_smem[];
@@ -60,10 +77,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
   // barriers and branches on it as uniform and keeps their wgmma asynchronous.
   const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
-    warpgroup_registers_decrease<Config::kProducerRegisters>();
+    warpgroup_registers_decrease<RegisterSplit<Config, KV>::kProducer>();
     if (threadIdx.x < 32 * KV::kProducerWarps) prefill_producer_warp<T, Config, Scheduler, KV>(p, smem);
   } else {
-    warpgroup_registers_increase<Config::kConsumerRegisters>();
+    warpgroup_registers_increase<RegisterSplit<Config, KV>::kConsumer>();
     PrefillConsumer<T, Config, Logits, KV, Scheduler> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
     // The next tile's index entries load while this one computes, not at the tile boundary:
