@@ -29,9 +29,9 @@ pack build-gpu/bench/tessera_plan_bench tessera_plan_bench
 
 # The A/B owed (steps 3 and 14 of run_gpu_pending.sh): the gathered source's line copies and its
 # producer's registers (notes/prefill_hopper.md, "The gathered source under ncu"), and the GPU
-# tests of a build with both. (fl, ns and the boundary and gathered-source switches wf, ka, nf,
-# s3, t, kp, kpt were timed on 2026-12-07 and not adopted; build them the same way to time them
-# again.)
+# tests of a build with both. (fl and the boundary and gathered-source switches wf, ka, nf, s3, t,
+# kp, kpt were timed on 2026-12-07 and not adopted; build them the same way to time them again.
+# The next-S-early walk, ns, was removed after its A/B: 441d92e has it.)
 gather_flags=(-DTESSERA_SM90_GATHER_ROW_LINES=1 -DTESSERA_SM90_GATHER_PRODUCER_REGISTERS=1)
 scripts/build_prefill_variants.sh "$bin" 'rl=-DTESSERA_SM90_GATHER_ROW_LINES=1' \
   'rg=-DTESSERA_SM90_GATHER_PRODUCER_REGISTERS=1' "rlrg=${gather_flags[*]}"

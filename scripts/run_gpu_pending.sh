@@ -129,11 +129,11 @@ run_step_4() {
 }
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
-  ablation "$(builds_of old ns rl rg rlrg wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
+  ablation "$(builds_of old rl rg rlrg wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 }
 run_step_6() {
   stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
-  ablation "$(builds_of old fl ns t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
+  ablation "$(builds_of old fl t kp kpt ka)" "$cases/ragged_hd128.json" ab_ragged 2 200
 }
 run_step_10() {
   stamp "10 phase timeline (ragged hd128)"

@@ -56,11 +56,6 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_PRODUCER_REGISTERS_2C
 #define TESSERA_SM90_PRODUCER_REGISTERS_2C 24
 #endif
-// 1: the 128 x 128 hd128 kernels issue each work tile's first S before the previous tile's
-// epilogue (PrefillConsumer::compute_all_next_scores_early), with two Q buffers.
-#ifndef TESSERA_SM90_NEXT_S_EARLY
-#define TESSERA_SM90_NEXT_S_EARLY 0
-#endif
 // TESSERA_SM90_LAZY_RESCALE sets the conditional O rescale of every head dim (default: hd256 only).
 #ifndef TESSERA_SM90_LAZY_RESCALE
 #define TESSERA_SM90_LAZY_RESCALE_DEFAULT(hd) ((hd) == 256)
@@ -98,12 +93,7 @@ struct PrefillSm90Config {
   // last P V) measure even with one at hd128 (v4, same run: 8K 668 vs 667, 1K causal 329 vs 332
   // TFLOP/s; v2's 0.89x was likely the C7520 serialisation; v7, with the boundary cheaper: 1K
   // causal 438.5 vs 440.3, 8K 693.7 vs 697.2), so one: less shared memory.
-  // The next work tile's first S before this one's epilogue (TESSERA_SM90_NEXT_S_EARLY): the
-  // 128-key hd128 tiles, whose boundary is the largest share of a short row's time (~4.9 K cycles
-  // a work tile at 1K: epilogue ~2.2 K, first S ~0.76 K, last P V ~0.71 K, decode ~0.66 K). Its
-  // Q must have landed by then: two Q buffers.
-  static constexpr bool kNextScoresEarly = TESSERA_SM90_NEXT_S_EARLY != 0 && kHeadDim == 128 && kBlockN == 128;
-  static constexpr int kQStages = kNextScoresEarly ? 2 : kHeadDim == 256 || kBlockN > 128 ? 1 : TESSERA_SM90_Q_STAGES;  // hd256, wide tiles: no room for two
+  static constexpr int kQStages = kHeadDim == 256 || kBlockN > 128 ? 1 : TESSERA_SM90_Q_STAGES;  // hd256, wide tiles: no room for two
   // O of a consumer's 64 full rows leaves through a shared-memory tile and TMA stores that run on
   // while the consumer starts its next work tile (rows past qo_len, and an o the copy engine
   // cannot describe, from registers). hd256 has no room for it (Q 64 KB + 4 x 40 KB of K / V at

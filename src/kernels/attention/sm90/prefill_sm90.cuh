@@ -89,30 +89,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     int position = Scheduler::first(p);
     RequestEntries entries{};
     if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-    if constexpr (Config::kNextScoresEarly) {
-      // The next work tile with rows (the walk below, written as a step).
-      consumer.compute_all_next_scores_early([&](WorkTile& w) {
-        while (position < Scheduler::tiles(p)) {
-          consumer.timeline.begin_decode();
-          w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
-          position = Scheduler::next(p, position);
-          if (position < Scheduler::tiles(p))
-            entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-          if (w.has_rows()) return true;
-        }
-        return false;
-      });
-    } else {
-      while (position < Scheduler::tiles(p)) {
-        consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
-        const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
-        position = Scheduler::next(p, position);
-        if (kPrefetchEntries && position < Scheduler::tiles(p))
-          entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-        if (w.has_rows()) consumer.compute(w);
-        if (!kPrefetchEntries && position < Scheduler::tiles(p))
-          entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-      }
+    while (position < Scheduler::tiles(p)) {
+      consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
+      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
+      position = Scheduler::next(p, position);
+      if (kPrefetchEntries && position < Scheduler::tiles(p))
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+      if (w.has_rows()) consumer.compute(w);
+      if (!kPrefetchEntries && position < Scheduler::tiles(p))
+        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
     }
     consumer.finish_turns();
     consumer.finish_stores();
