@@ -25,17 +25,20 @@
 #   12 the decode and prefill_plan suites with cuDNN and FlashInfer (as 11)
 #   14 the attention GPU tests (GpuPrefill*, GpuLargeOffsets*, GpuValidationTable*) of each
 #      switch build's tests in BINDIR (tests_NAME: tessera_tests built with a switch on)
+#   15 the causal hd128 cases from 2K with 128-key tiles against the dispatcher's 192-key ones
+#      (kv_tile=128, prefill_ablation.py variant kv128; two rounds): the causal gap to FlashInfer
+#      (0.91-0.95 on 2026-12-07), whose causal kernel runs 128-key tiles
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
-# They run in the order 3 14 12 11 (what is owed after 2026-12-07's run: the gathered source's
-# switches timed and tested, then the decode / prefill_plan suites and the prefill suite with
+# They run in the order 3 14 15 12 11 (what is owed after 2026-12-07's run: the gathered source's
+# switches timed and tested, the causal tile width, then the decode / prefill_plan suites and the prefill suite with
 # FlashInfer; its modules in WHEELS/flashinfer_modules skip the JIT), or in the order of the
 # environment's STEPS (e.g. STEPS="6 8 10 9 4 2"); FIRST_STEP starts at that step of the order.
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-read -r -a order <<< "${STEPS:-3 14 12 11}"
+read -r -a order <<< "${STEPS:-3 14 15 12 11}"
 wheels=$(cd "${WHEELS:-.whl}" 2>/dev/null && pwd || echo "")
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
@@ -91,6 +94,9 @@ keep = {"hd128_s1024", "hd128_s1024_causal", "hd128_s2048", "hd128_s2048_causal"
         "hd64_s8192", "hd256_s8192", "hd128_gqa4_s2048", "hd128_gqa8_s4096_causal"}
 ragged["cases"] = [c for c in ragged["cases"] if c["name"] in keep]
 json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
+causal = json.load(open("bench/cases/prefill.json"))
+causal["cases"] = [c for c in causal["cases"] if c["head_dim"] == 128 and c["causal"] and c["seq"] >= 2048]
+json.dump(causal, open(f"{out}/causal_hd128.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
 plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
 json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
@@ -197,6 +203,12 @@ run_step_12() {
   flashinfer_ready || return
   suite_with_peers decode bench/cases decode_fi 300
   suite_with_peers prefill_plan bench/cases prefill_plan_fi 300
+}
+run_step_15() {
+  stamp "15 causal hd128: 128-key against 192-key tiles"
+  timeout 300 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench" --variants auto,kv128 --rounds 2 \
+    --timeout 20 --cases "$cases/causal_hd128.json" --out "$out/ab_causal_kv128.jsonl" > "$out/ab_causal_kv128.txt" 2>&1
+  cat "$out/ab_causal_kv128.txt"
 }
 run_step_14() {
   stamp "14 the attention GPU tests of the switch builds"
