@@ -4,12 +4,15 @@
 // times at every work tile (tile_scheduler_sm90.cuh), ~1.2 K cycles of each consumer's tile
 // boundary before (notes/prefill_hopper.md).
 //
-// Granlund & Montgomery (1994), round-up multiplier: with l = ceil(log2 d) and
-// m = floor(2^32 (2^l - d) / d) + 1, n / d = (mulhi(n, m) + n) >> l for every 0 <= n < 2^31 (the
-// sum then fits 32 bits: mulhi(n, m) <= n). tests/cpu/test_fast_divisor.cpp checks it.
+// The multiplier and shift are core/fast_divisor.h's (Granlund & Montgomery's round-up multiplier,
+// which the page-size divisions of every family use); this form carries the divisor too and
+// divides on either side. tests/cpu/test_fast_divisor.cpp checks it for every divisor a list shape
+// can have.
 #pragma once
 
 #include <cstdint>
+
+#include "core/fast_divisor.h"
 
 #ifdef __CUDACC__
 #define TESSERA_HOST_DEVICE __host__ __device__
@@ -25,10 +28,11 @@ struct FastDivisor {
   uint32_t shift = 0;
 
   FastDivisor() = default;
-  // d >= 1 (a 0 is taken as 1: a list of no tiles never divides).
-  TESSERA_HOST_DEVICE explicit FastDivisor(int32_t d) : divisor(d > 1 ? uint32_t(d) : 1u) {
-    while ((uint64_t(1) << shift) < divisor) ++shift;
-    multiplier = uint32_t((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor) / divisor + 1);
+  // d >= 1 (a 0 is taken as 1: a list of no tiles never divides). Set up on the host, by the launcher.
+  explicit FastDivisor(int32_t d) : divisor(d > 1 ? uint32_t(d) : 1u) {
+    const detail::FastDivisor f = detail::fast_divisor(divisor);
+    multiplier = f.magic;
+    shift = uint32_t(f.shift);
   }
 
   // n / divisor and n % divisor, for 0 <= n < 2^31.

@@ -67,6 +67,20 @@ __device__ __forceinline__ RequestEntries load_request_entries(const PrefillSm90
 
 enum class KVOperand { kKeys, kValues };
 
+// Where key `key` of a paged request (its first kv_indices entry kv_start) lies: its page id and
+// its token within that page.
+struct PageSlot {
+  int page, token;
+};
+__device__ __forceinline__ PageSlot page_slot(const PrefillSm90Params& p, int kv_start, unsigned key) {
+  const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
+  PageSlot slot;
+  slot.page = p.base.kv_indices[kv_start + int(page_of_key)];
+  TESSERA_DEVICE_CHECK_QUIET(slot.page >= 0 && slot.page < p.base.num_pages, "a kv_indices page id outside the page tensors");
+  slot.token = int(key - page_of_key * unsigned(p.base.page_size));
+  return slot;
+}
+
 struct RaggedKVSm90 {
   static constexpr bool kPaged = false;
   __device__ static void extent(const RequestEntries& e, int /*page_size*/, int& kv_start, int& kv_len) {
@@ -123,11 +137,9 @@ struct PagedKVSm90 {
     where.page = 0;
     where.token = 0;
     if (lane < where.boxes) {
-      const unsigned key = unsigned(n0 + where.row);
-      const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
-      where.page = p.base.kv_indices[kv_start + int(page_of_key)];
-      TESSERA_DEVICE_CHECK_QUIET(where.page >= 0 && where.page < p.base.num_pages, "a kv_indices page id outside the page tensors");
-      where.token = int(key - page_of_key * unsigned(p.base.page_size));
+      const PageSlot slot = page_slot(p, kv_start, unsigned(n0 + where.row));
+      where.page = slot.page;
+      where.token = slot.token;
     }
     return where;
   }
@@ -227,13 +239,9 @@ struct GatheredKVSm90 {
       where.k_offset = where.v_offset = 0;
       const int row = row_of(thread, 0);
       if (row < where.keys) {
-        const unsigned key = unsigned(n0 + row);
-        const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
-        const int page = p.base.kv_indices[kv_start + int(page_of_key)];
-        TESSERA_DEVICE_CHECK_QUIET(page >= 0 && page < p.base.num_pages, "a kv_indices page id outside the page tensors");
-        const int token = int(key - page_of_key * unsigned(p.base.page_size));
-        where.k_offset = page * p.base.k_stride_page + token * p.base.k_stride_token;
-        where.v_offset = page * p.base.v_stride_page + token * p.base.v_stride_token;
+        const PageSlot slot = page_slot(p, kv_start, unsigned(n0 + row));
+        where.k_offset = slot.page * p.base.k_stride_page + slot.token * p.base.k_stride_token;
+        where.v_offset = slot.page * p.base.v_stride_page + slot.token * p.base.v_stride_token;
       }
       return where;
     } else {
@@ -243,12 +251,9 @@ struct GatheredKVSm90 {
         where.page[i] = -1;
         where.token[i] = 0;
         if (row < where.keys) {
-          const unsigned key = unsigned(n0 + row);
-          const unsigned page_of_key = (__umulhi(key, p.base.page_magic) + key) >> p.base.page_shift;
-          where.page[i] = p.base.kv_indices[kv_start + int(page_of_key)];
-          TESSERA_DEVICE_CHECK_QUIET(where.page[i] >= 0 && where.page[i] < p.base.num_pages,
-                                     "a kv_indices page id outside the page tensors");
-          where.token[i] = int(key - page_of_key * unsigned(p.base.page_size));
+          const PageSlot slot = page_slot(p, kv_start, unsigned(n0 + row));
+          where.page[i] = slot.page;
+          where.token[i] = slot.token;
         }
       }
       return where;
