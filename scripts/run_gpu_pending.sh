@@ -28,6 +28,10 @@
 #   15 the causal hd128 cases from 2K with 128-key tiles against the dispatcher's 192-key ones
 #      (kv_tile=128, prefill_ablation.py variant kv128; two rounds): the causal gap to FlashInfer
 #      (0.91-0.95 on 2026-12-07), whose causal kernel runs 128-key tiles
+#   16 A/B of the consumer's switch builds in BINDIR (bench_ru: O's rescale under S) on the ragged
+#      hd128 MHA cases, 1K-16K causal and not, and GQA 8 4K causal (two rounds)
+#   17 A/B of bench_rlrgall (a full build with the gathered source's switches) at hd64 / hd256
+#      page 1 (two rounds)
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
@@ -97,6 +101,13 @@ json.dump(ragged, open(f"{out}/ragged_hd128.json", "w"))
 causal = json.load(open("bench/cases/prefill.json"))
 causal["cases"] = [c for c in causal["cases"] if c["head_dim"] == 128 and c["causal"] and c["seq"] >= 2048]
 json.dump(causal, open(f"{out}/causal_hd128.json", "w"))
+mha = json.load(open("bench/cases/prefill.json"))
+mha["cases"] = [c for c in mha["cases"] if c["head_dim"] == 128 and ("gqa" not in c["name"] or
+                c["name"] == "hd128_gqa8_s4096_causal")]
+json.dump(mha, open(f"{out}/ragged_mha_hd128.json", "w"))
+paged = json.load(open("bench/cases/prefill_paged.json"))
+paged["cases"] = [c for c in paged["cases"] if c["page_size"] == 1 and c["head_dim"] != 128]
+json.dump(paged, open(f"{out}/paged_p1_hd64_hd256.json", "w"))
 plan = json.load(open("bench/cases/prefill_plan.json"))
 plan["cases"] = [c for c in plan["cases"] if c["name"].startswith("serving_")]
 json.dump(plan, open(f"{out}/prefill_plan.json", "w"))
@@ -209,6 +220,14 @@ run_step_15() {
   timeout 300 python3 bench/prefill_ablation.py --builds "base=$B/tessera_bench" --variants auto,kv128 --rounds 2 \
     --timeout 20 --cases "$cases/causal_hd128.json" --out "$out/ab_causal_kv128.jsonl" > "$out/ab_causal_kv128.txt" 2>&1
   cat "$out/ab_causal_kv128.txt"
+}
+run_step_16() {
+  stamp "16 A/B of the consumer's switches (ragged hd128, MHA 1K-16K)"
+  ablation "$(builds_of ru)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
+}
+run_step_17() {
+  stamp "17 A/B of the gathered source's switches at hd64 / hd256 (page 1)"
+  ablation "$(builds_of rlrgall)" "$cases/paged_p1_hd64_hd256.json" ab_paged_p1 2 120
 }
 run_step_14() {
   stamp "14 the attention GPU tests of the switch builds"

@@ -35,10 +35,11 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_GATHER_WRITER_FENCE
 #define TESSERA_SM90_GATHER_WRITER_FENCE 0
 #endif
-// 1: the gathered source copies whole 128-byte lines, eight lanes a row (GatheredKVSm90, "line
-// copies"); 0: the lane pairs of 32-byte sectors it was measured with first.
+// 1 (the default): the gathered source copies whole 128-byte lines, eight lanes a row
+// (GatheredKVSm90, "line copies"); 0 (an ablation switch): the lane pairs of 32-byte sectors it
+// was measured with first.
 #ifndef TESSERA_SM90_GATHER_ROW_LINES
-#define TESSERA_SM90_GATHER_ROW_LINES 0
+#define TESSERA_SM90_GATHER_ROW_LINES 1
 #endif
 
 // A KV source reads a request's extent from its RequestEntries and is used in two steps per tile,
@@ -196,6 +197,10 @@ struct PagedKVSm90 {
 // warp w looks up row 32 w + j's page once a tile; each group of four rows takes its pages from
 // their lanes by shuffle (two a group) before its copies: chunk 8 h + lane % 8 of row
 // 32 w + 4 g + lane / 8, h over the row's 128-byte halves (blocks).
+// Same run (H100, notes/prefill_hopper.md, "Line copies and the producer's 40 registers"), TFLOP/s
+// against the lane pairs, with the producer's 40 registers (prefill_sm90.cuh, RegisterSplit):
+// hd128 8K page 1 563.1 vs 455.7 (1.24x), causal 521.7 vs 443.5 (1.18x), page 7 563.7 vs 456.3
+// (1.24x); line copies alone 1.12-1.18x; hd256 8K page 1 614.8 vs 444.5 (1.38x); hd64 even.
 template <int kBlockN, int kHeadDim>
 struct GatheredKVSm90 {
   static constexpr bool kPaged = true;

@@ -33,19 +33,29 @@ namespace tessera::kernels::sm90 {
 #endif
 constexpr bool kPrefetchEntries = TESSERA_SM90_PREFETCH_ENTRIES != 0;
 
-// Ablation switch: 1 gives the gathered source's producer (four copying warps) 40 registers and
+// 1 (the default) gives the gathered source's producer (four copying warps) 40 registers and
 // each of two consumer warpgroups 232 (from 24 and 240): at 24 its copy loop spills (ncu of hd128
-// 8K page 1, H100: 7.0 M local-memory requests a launch against 16 K with TMA boxes).
+// 8K page 1, H100: 7.0 M local-memory requests a launch against 16 K with TMA boxes). With the
+// line copies (kv_source_sm90.cuh) the pair is 1.18-1.24x at hd128 page 1 / 7 and 1.38x at hd256
+// page 1 (same run, H100); alone it measured 0.99x. 0: the 24 / 240 split (an ablation switch).
 #ifndef TESSERA_SM90_GATHER_PRODUCER_REGISTERS
-#define TESSERA_SM90_GATHER_PRODUCER_REGISTERS 0
+#define TESSERA_SM90_GATHER_PRODUCER_REGISTERS 1
 #endif
 // setmaxnreg's split of the CTA's registers between the producer and the consumer warpgroups.
+// TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C: the same for three consumer warpgroups (hd64), whose
+// consumers get (512 - it) / 3 registers (an ablation switch; 32, the default, is the TMA split).
+#ifndef TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C
+#define TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C 32
+#endif
 template <typename Config, typename KV>
 struct RegisterSplit {
-  static constexpr bool kWideProducer =
-      TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 && Config::kConsumers == 2;
-  static constexpr int kProducer = kWideProducer ? 40 : Config::kProducerRegisters;
-  static constexpr int kConsumer = kWideProducer ? 232 : Config::kConsumerRegisters;
+  static constexpr bool kWideProducer = TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 &&
+                                        (Config::kConsumers == 2 || Config::kConsumers == 3);
+  static constexpr int kProducer =
+      !kWideProducer ? Config::kProducerRegisters : Config::kConsumers == 2 ? 40 : TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C;
+  static constexpr int kConsumer = !kWideProducer        ? Config::kConsumerRegisters
+                                   : Config::kConsumers == 2 ? 232
+                                                             : (512 - kProducer) / 3 / 8 * 8;
   static_assert(kProducer * 128 + kConsumer * 128 * Config::kConsumers <= Config::kLaunchRegisters * Config::kThreads,
                 "setmaxnreg budgets beyond the registers the CTA holds from its launch");
 };
