@@ -28,21 +28,23 @@
 #   15 the causal hd128 cases from 2K with 128-key tiles against the dispatcher's 192-key ones
 #      (kv_tile=128, prefill_ablation.py variant kv128; two rounds): the causal gap to FlashInfer
 #      (0.91-0.95 on 2026-12-07), whose causal kernel runs 128-key tiles
-#   16 A/B of the consumer's switch builds in BINDIR (bench_ru: O's rescale under S) on the ragged
-#      hd128 MHA cases, 1K-16K causal and not, and GQA 8 4K causal (two rounds)
-#   17 A/B of bench_rlrgall (a full build with the gathered source's switches) at hd64 / hd256
+#   16 A/B of the consumer's switch builds in BINDIR (bench_ho: the work tiles handed over through
+#      shared memory; bench_ru: O's rescale under S) on the ragged hd128 MHA cases, 1K-16K causal and
+#      not, and GQA 8 4K causal (two rounds)
+#   17 A/B of bench_rlrgall / bench_p56 (hd64's gathered producer at 56 registers) at hd64 / hd256
 #      page 1 (two rounds)
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
-# They run in the order 3 14 15 12 11 (what is owed after 2026-12-07's run: the gathered source's
-# switches timed and tested, the causal tile width, then the decode / prefill_plan suites and the prefill suite with
-# FlashInfer; its modules in WHEELS/flashinfer_modules skip the JIT), or in the order of the
-# environment's STEPS (e.g. STEPS="6 8 10 9 4 2"); FIRST_STEP starts at that step of the order.
+# They run in the order 8 16 3 17 14 13 (what is owed after 2026-12-07's last runs: every GPU test
+# of the tree, the tile hand-over timed and its build's attention tests, hd64's gathered producer
+# registers, the gathered source under ncu with line copies), or in the order of the environment's
+# STEPS (e.g. STEPS="6 8 10 9 4 2"); FIRST_STEP starts at that step of the order. FlashInfer's
+# modules in WHEELS/flashinfer_modules skip its JIT (steps 11 and 12).
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-read -r -a order <<< "${STEPS:-3 14 15 12 11}"
+read -r -a order <<< "${STEPS:-8 16 3 17 14 13}"
 wheels=$(cd "${WHEELS:-.whl}" 2>/dev/null && pwd || echo "")
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
@@ -146,7 +148,7 @@ run_step_4() {
 }
 run_step_3() {
   stamp "3 A/B of the gathered source (paged hd128 8K)"
-  ablation "$(builds_of old rl rg rlrg wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
+  ablation "$(builds_of old ho rl rg rlrg wf ka nf s3)" "$cases/paged_hd128_8k.json" ab_paged 1 200
 }
 run_step_6() {
   stamp "6 A/B of the Hopper prefill builds (ragged hd128)"
@@ -223,11 +225,11 @@ run_step_15() {
 }
 run_step_16() {
   stamp "16 A/B of the consumer's switches (ragged hd128, MHA 1K-16K)"
-  ablation "$(builds_of ru)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
+  ablation "$(builds_of ho ru)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
 }
 run_step_17() {
   stamp "17 A/B of the gathered source's switches at hd64 / hd256 (page 1)"
-  ablation "$(builds_of rlrgall)" "$cases/paged_p1_hd64_hd256.json" ab_paged_p1 2 120
+  ablation "$(builds_of rlrgall p56)" "$cases/paged_p1_hd64_hd256.json" ab_paged_p1 2 120
 }
 run_step_14() {
   stamp "14 the attention GPU tests of the switch builds"

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kernels/attention/sm90/prefill_sm90_launch.h"
+#include "kernels/attention/sm90/tile_handover_sm90.cuh"
 #include "kernels/common/tma_sm90.cuh"
 #include "kernels/common/wgmma_sm90.cuh"
 
@@ -141,7 +142,8 @@ struct PrefillSm90Config {
 // The dynamic shared memory of one CTA: the Q tile, the K and V rings, the consumers' O tiles
 // (kStoreOViaSmem) and the barriers. K / V tiles of paged sources interleave their column blocks
 // per 8 rows (Sw128GroupedTile: one copy per page run; kv_source_sm90.cuh); the sizes agree.
-template <typename T, typename Config, bool kGroupedKV = false>
+// kHandover: the barriers are followed by the work tiles' hand-over (tile_handover_sm90.cuh).
+template <typename T, typename Config, bool kGroupedKV = false, bool kHandover = false>
 struct PrefillSm90Smem {
   using QTile = Sw128Tile<T, Config::kBlockM, Config::kHeadDim>;
   using KVTile = std::conditional_t<kGroupedKV, Sw128GroupedTile<T, Config::kBlockN, Config::kHeadDim>,
@@ -162,9 +164,13 @@ struct PrefillSm90Smem {
     Mbarrier v_zeroed[kStages];  // a partial V tile's rows past kv_len were zeroed (see the producer)
     Mbarrier o_read;             // Config::kOSharesV: the work tile's O stores have read their V stage
   };
+  struct BarriersAndHandover : Barriers {
+    TileHandover handover;  // the producer's decoded work tiles
+  };
+  using AllBarriers = std::conditional_t<kHandover, BarriersAndHandover, Barriers>;
   static constexpr int kAlignment = 1024;  // of the swizzled tiles
   // Requested from the launch: the layout plus the slack that aligns the dynamic base.
-  static constexpr int kBytes = kBarrierOffset + int(sizeof(Barriers)) + kAlignment;
+  static constexpr int kBytes = kBarrierOffset + int(sizeof(AllBarriers)) + kAlignment;
   static_assert(kBytes <= 227 * 1024, "shared memory of one sm_90 block");
   static_assert(!Config::kOSharesV || KVTile::kBytes >= Config::kConsumers * OTile::kBytes, "O tiles in a V stage");
 
@@ -183,7 +189,12 @@ struct PrefillSm90Smem {
     unsigned char* tiles = Config::kOSharesV ? base + kVOffset + v_stage * KVTile::kBytes : base + kOOffset;
     return tiles + consumer * OTile::kBytes + b * OTile::kBlockBytes;
   }
-  __device__ Barriers& barriers() const { return *reinterpret_cast<Barriers*>(base + kBarrierOffset); }
+  __device__ AllBarriers& barriers() const { return *reinterpret_cast<AllBarriers*>(base + kBarrierOffset); }
 };
+
+// A kernel's shared memory over KV source KV (its tile layout, and whether the work tiles are
+// handed over).
+template <typename T, typename Config, typename KV>
+using PrefillSm90SmemFor = PrefillSm90Smem<T, Config, KV::kGroupedTiles, kTileHandover<Config, KV>>;
 
 }  // namespace tessera::kernels::sm90

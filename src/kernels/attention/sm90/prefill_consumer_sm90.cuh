@@ -50,7 +50,7 @@ namespace tessera::kernels::sm90 {
 template <typename T, typename Config, typename Logits, typename KV, typename Scheduler>
 struct PrefillConsumer {
   static constexpr int kHeadDim = Config::kHeadDim, kBlockN = Config::kBlockN;
-  using Smem = PrefillSm90Smem<T, Config, KV::kGroupedTiles>;
+  using Smem = PrefillSm90SmemFor<T, Config, KV>;
   using STile = AccTile<kBlockN>;           // this warp's 16 rows of S (and P, in fp32)
   using OTile = AccTile<kHeadDim>;          // this warp's 16 rows of O
   using PFragments = AFragments<T, kBlockN>;  // P in T, as the A operand of P V

@@ -22,6 +22,7 @@
 #include "kernels/attention/sm90/kv_source_sm90.cuh"
 #include "kernels/attention/sm90/prefill_config_sm90.cuh"
 #include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
+#include "kernels/attention/sm90/tile_handover_sm90.cuh"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/device_check.cuh"
 
@@ -51,8 +52,8 @@ namespace tessera::kernels::sm90 {
 
 template <typename T, typename Config, typename Scheduler, typename KV>
 __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p,
-                                                      const PrefillSm90Smem<T, Config, KV::kGroupedTiles>& smem) {
-  using Smem = PrefillSm90Smem<T, Config, KV::kGroupedTiles>;
+                                                      const PrefillSm90SmemFor<T, Config, KV>& smem) {
+  using Smem = PrefillSm90SmemFor<T, Config, KV>;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN;
   const int lane = threadIdx.x % 32;
   // Of the KV::kProducerWarps loading warps (Q: warp 0 only); the lane with one warp, so the TMA
@@ -121,8 +122,12 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
     pending.stage = -1;
   };
 
+  RingPosition<TileHandover::kSlots> handed;  // (kTileHandover: the next slot)
   for (int position = Scheduler::first(p); position < Scheduler::tiles(p); position = Scheduler::next(p, position)) {
     const WorkTile w = make_work_tile<kBlockM, kBlockN, KV, Scheduler>(p, position);
+    if constexpr (kTileHandover<Config, KV>) {
+      if (thread == 0) bar.handover.publish(w, handed);
+    }
     // The device's qo_indptr / kv_indptr against the tensors (the host checked its copies); the
     // consumers read the same entries.
     TESSERA_DEVICE_CHECK_QUIET(w.qo_len <= 0 || (w.q_start >= 0 && int64_t(w.q_start) + w.qo_len <= p.base.q_rows),
@@ -227,6 +232,13 @@ __device__ __forceinline__ void prefill_producer_warp(const PrefillSm90Params& p
         Smem::QTile::prefetch_l2(&p.q_map, n.head, n.q_start + n.token(n.m0));
     }
 #endif
+  }
+  if constexpr (kTileHandover<Config, KV>) {
+    if (thread == 0) {
+      WorkTile end{};
+      end.request = -1;
+      bar.handover.publish(end, handed);
+    }
   }
   arrive_for_copies();
 }

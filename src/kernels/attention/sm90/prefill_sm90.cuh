@@ -6,7 +6,8 @@
 // persistent walk over the list); the KV source where K and V come from (a ragged tensor or
 // pages). The parts: prefill_producer_sm90.cuh (loads), kv_source_sm90.cuh (K / V copies),
 // prefill_consumer_sm90.cuh (mainloop, softmax, epilogue), tile_scheduler_sm90.cuh (the order),
-// prefill_config_sm90.cuh (shapes, shared memory).
+// tile_handover_sm90.cuh (the producer's decoded tiles, for the consumers of the ragged 128 x 128
+// kernels), prefill_config_sm90.cuh (shapes, shared memory).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,6 +25,7 @@
 #include "kernels/attention/sm90/prefill_producer_sm90.cuh"
 #include "kernels/attention/sm90/tile_scheduler_sm90.cuh"
 #include "kernels/attention/sm90/tensor_map_sm90.h"
+#include "kernels/attention/sm90/tile_handover_sm90.cuh"
 
 namespace tessera::kernels::sm90 {
 
@@ -49,8 +51,12 @@ constexpr bool kPrefetchEntries = TESSERA_SM90_PREFETCH_ENTRIES != 0;
 #endif
 template <typename Config, typename KV>
 struct RegisterSplit {
-  static constexpr bool kWideProducer = TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 &&
-                                        (Config::kConsumers == 2 || Config::kConsumers == 3);
+  // (With the tile hand-over the producer holds a whole WorkTile to publish: at 24 registers its
+  // copy loop spills, so it takes 40 there too.)
+  static constexpr bool kWideProducer =
+      (TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 &&
+       (Config::kConsumers == 2 || Config::kConsumers == 3)) ||
+      kTileHandover<Config, KV>;
   static constexpr int kProducer =
       !kWideProducer ? Config::kProducerRegisters : Config::kConsumers == 2 ? 40 : TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C;
   static constexpr int kConsumer = !kWideProducer        ? Config::kConsumerRegisters
@@ -63,7 +69,7 @@ struct RegisterSplit {
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const __grid_constant__ PrefillSm90Params p) {
   extern __shared__ unsigned char raw_smem[];
-  const PrefillSm90Smem<T, Config, KV::kGroupedTiles> smem(raw_smem);
+  const PrefillSm90SmemFor<T, Config, KV> smem(raw_smem);
   constexpr int kConsumerWarps = 4 * Config::kConsumers;
   if (threadIdx.x == 0) {
     auto& bar = smem.barriers();
@@ -79,6 +85,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
       bar.v_zeroed[s].init(1);
     }
     if constexpr (Config::kOSharesV) bar.o_read.init(Config::kConsumers);
+    if constexpr (kTileHandover<Config, KV>) bar.handover.init(kConsumerWarps);
     Mbarrier::fence_init();
   }
   __syncthreads();
@@ -93,6 +100,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     warpgroup_registers_increase<RegisterSplit<Config, KV>::kConsumer>();
     PrefillConsumer<T, Config, Logits, KV, Scheduler> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
+    if constexpr (kTileHandover<Config, KV>) {
+      RingPosition<TileHandover::kSlots> handed;
+      for (;;) {
+        consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
+        const WorkTile w = smem.barriers().handover.take(handed);
+        if (w.request < 0) break;
+        if (w.has_rows()) consumer.compute(w);
+      }
+    } else {
     // The next tile's index entries load while this one computes, not at the tile boundary:
     // +0.3-0.5% at every hd128 case, same run (notes/prefill_hopper.md v7). The producer loads its
     // own when it gets there: it runs ahead of the consumers.
@@ -109,6 +125,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
       if (!kPrefetchEntries && position < Scheduler::tiles(p))
         entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
     }
+    }
     consumer.finish_turns();
     consumer.finish_stores();
   }
@@ -121,7 +138,7 @@ constexpr DType dtype_of() {
 
 template <typename T, typename Config, typename Logits, typename Scheduler, typename KV>
 void launch_prefill_sm90_variant(const PrefillSm90Params& params, int grid, cudaStream_t stream) {
-  constexpr int kSmemBytes = PrefillSm90Smem<T, Config, KV::kGroupedTiles>::kBytes;
+  constexpr int kSmemBytes = PrefillSm90SmemFor<T, Config, KV>::kBytes;
   auto kernel = prefill_sm90_kernel<T, Config, Logits, Scheduler, KV>;
   static tessera::detail::OncePerDevice smem_limit_raised;
   smem_limit_raised([&] {
