@@ -129,23 +129,38 @@ __device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor
   return request;
 }
 
-// The tile at `cursor`; `entries` are its request's (load_request_entries).
-template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
-__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor, const RequestEntries& entries) {
+// Where the tile at a cursor lies in the list: the divisions of its list position (and the GQA
+// group's, for its KV head), the part of a tile's decode that costs.
+struct TilePosition {
+  int request, list_head, kv_head, m_tile, split;
+};
+template <int kBlockM, int kBlockN, typename Scheduler>
+__device__ __forceinline__ TilePosition locate_tile(const PrefillSm90Params& p, int cursor) {
   constexpr bool kFast = kFastDecode<kBlockM, kBlockN>;
   const int position = Scheduler::list_position(p, cursor);
-  WorkTile w;
-  int m_tile;
+  TilePosition t;
   int tile = position;
   if (Scheduler::kv_splits(p) > 1)
     tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
-  w.split = position - tile * Scheduler::kv_splits(p);
-  int list_head;
-  decode_position<Scheduler, kFast>(p, tile, w.request, list_head, m_tile);
+  t.split = position - tile * Scheduler::kv_splits(p);
+  decode_position<Scheduler, kFast>(p, tile, t.request, t.list_head, t.m_tile);
+  const int head = t.list_head << p.base.gqa_pack;
+  t.kv_head = kFast ? p.group_divisor.div(head) : head / (p.base.num_qo_heads / p.base.num_kv_heads);
+  return t;
+}
+
+// The tile at position `t`; `entries` are its request's (load_request_entries).
+template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, const TilePosition& t,
+                                                   const RequestEntries& entries) {
+  constexpr bool kFast = kFastDecode<kBlockM, kBlockN>;
+  WorkTile w;
+  w.request = t.request;
+  w.split = t.split;
   w.row_shift = p.base.gqa_pack;
-  w.head = list_head << w.row_shift;
-  w.kv_head = kFast ? p.group_divisor.div(w.head) : w.head / (p.base.num_qo_heads / p.base.num_kv_heads);
-  w.m0 = m_tile * kBlockM;
+  w.head = t.list_head << w.row_shift;
+  w.kv_head = t.kv_head;
+  w.m0 = t.m_tile * kBlockM;
   w.q_start = warp_uniform(entries.q_begin);
   w.qo_len = warp_uniform(entries.q_end) - w.q_start;
   KV::extent(entries, p.base.page_size, w.kv_start, w.kv_len);
@@ -162,6 +177,12 @@ __device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, i
     w.end_kv_tile = min(w.end_kv_tile, w.first_kv_tile + per_split);
   }
   return w;
+}
+
+// The tile at `cursor`; `entries` are its request's (load_request_entries).
+template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
+__device__ __forceinline__ WorkTile make_work_tile(const PrefillSm90Params& p, int cursor, const RequestEntries& entries) {
+  return make_work_tile<kBlockM, kBlockN, KV, Scheduler>(p, locate_tile<kBlockM, kBlockN, Scheduler>(p, cursor), entries);
 }
 
 template <int kBlockM, int kBlockN, typename KV, typename Scheduler>
