@@ -28,23 +28,25 @@
 #   15 the causal hd128 cases from 2K with 128-key tiles against the dispatcher's 192-key ones
 #      (kv_tile=128, prefill_ablation.py variant kv128; two rounds): the causal gap to FlashInfer
 #      (0.91-0.95 on 2026-12-07), whose causal kernel runs 128-key tiles
-#   16 A/B of the consumer's switch builds in BINDIR (bench_ho: the work tiles handed over through
-#      shared memory; bench_ru: O's rescale under S) on the ragged hd128 MHA cases, 1K-16K causal and
-#      not, and GQA 8 4K causal (two rounds)
+#   16 A/B of the consumer's switch builds in BINDIR (bench_nho: the work-tile hand-over off;
+#      bench_ru: O's rescale under S) on the ragged hd128 MHA cases, 1K-16K causal and not, and GQA 8
+#      4K causal (two rounds)
+#   18 compute-sanitizer memcheck and racecheck (scripts/run_sanitizers.sh) over the Hopper prefill
+#      tests (GpuPrefillHopper*, GpuPrefill.*): the work-tile hand-over's shared-memory protocol
 #   17 A/B of bench_rlrgall / bench_p56 (hd64's gathered producer at 56 registers) at hd64 / hd256
 #      page 1 (two rounds)
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
-# They run in the order 8 16 3 17 14 13 (what is owed after 2026-12-07's last runs: every GPU test
-# of the tree, the tile hand-over timed and its build's attention tests, hd64's gathered producer
-# registers, the gathered source under ncu with line copies), or in the order of the environment's
-# STEPS (e.g. STEPS="6 8 10 9 4 2"); FIRST_STEP starts at that step of the order. FlashInfer's
-# modules in WHEELS/flashinfer_modules skip its JIT (steps 11 and 12).
+# They run in the order 18 10 16 11 (what is owed after 2026-12-07's last runs: the sanitizers on
+# the work-tile hand-over, the phase timeline of the final kernels, the hand-over's gain again, the
+# prefill suite with FlashInfer on the final code), or in the order of the environment's STEPS
+# (e.g. STEPS="6 8 10 9 4 2"); FIRST_STEP starts at that step of the order. FlashInfer's modules in
+# WHEELS/flashinfer_modules skip its JIT (steps 11 and 12).
 set -uo pipefail
 final=${1:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
 bins=${2:?usage: run_gpu_pending.sh OUTDIR BINDIR [FIRST_STEP]}
-read -r -a order <<< "${STEPS:-8 16 3 17 14 13}"
+read -r -a order <<< "${STEPS:-18 10 16 11}"
 wheels=$(cd "${WHEELS:-.whl}" 2>/dev/null && pwd || echo "")
 first=${3:-${order[0]}}
 cd "$(dirname "$0")/.."
@@ -225,11 +227,18 @@ run_step_15() {
 }
 run_step_16() {
   stamp "16 A/B of the consumer's switches (ragged hd128, MHA 1K-16K)"
-  ablation "$(builds_of ho ru)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
+  ablation "$(builds_of nho ho ru)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
 }
 run_step_17() {
   stamp "17 A/B of the gathered source's switches at hd64 / hd256 (page 1)"
   ablation "$(builds_of rlrgall p56)" "$cases/paged_p1_hd64_hd256.json" ab_paged_p1 2 120
+}
+run_step_18() {
+  stamp "18 compute-sanitizer over the Hopper prefill tests"
+  mkdir -p "$B/sanitize/tests" && ln -sf "$B/tessera_tests" "$B/sanitize/tests/tessera_tests"
+  TOOLS="memcheck racecheck" FILTER='GpuPrefillHopper*:GpuPrefill.*' SECONDS_PER_TOOL=150 \
+    bash scripts/run_sanitizers.sh "$out/sanitizers" "$B/sanitize" > "$out/sanitizers.log" 2>&1
+  cat "$out/sanitizers/sanitizers.json" 2>/dev/null | tee -a "$out/progress.txt"
 }
 run_step_14() {
   stamp "14 the attention GPU tests of the switch builds"
