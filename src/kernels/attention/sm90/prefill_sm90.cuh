@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
     warpgroup_registers_increase<RegisterSplit<Config, KV>::kConsumer>();
     PrefillConsumer<T, Config, Logits, KV, Scheduler> consumer(p, smem, warpgroup - 1);
     consumer.start_turns();
-    if constexpr (kTileHandover<Config, KV>) {
+    if constexpr (kTileHandover<Config, KV>) {  // the producer's decoded tiles, until its end marker
       RingPosition<TileHandover::kSlots> handed;
       for (;;) {
         consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
@@ -108,23 +108,23 @@ __global__ void __launch_bounds__(Config::kThreads, 1) prefill_sm90_kernel(const
         if (w.request < 0) break;
         if (w.has_rows()) consumer.compute(w);
       }
-    } else {
-    // The next tile's index entries load while this one computes, not at the tile boundary:
-    // +0.3-0.5% at every hd128 case, same run (notes/prefill_hopper.md v7). The producer loads its
-    // own when it gets there: it runs ahead of the consumers.
-    int position = Scheduler::first(p);
-    RequestEntries entries{};
-    if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-    while (position < Scheduler::tiles(p)) {
-      consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
-      const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
-      position = Scheduler::next(p, position);
-      if (kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-      if (w.has_rows()) consumer.compute(w);
-      if (!kPrefetchEntries && position < Scheduler::tiles(p))
-        entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
-    }
+    } else {  // each consumer walks the scheduler's sequence and decodes every tile itself
+      // The next tile's index entries load while this one computes, not at the tile boundary:
+      // +0.3-0.5% at every hd128 case, same run (notes/prefill_hopper.md v7). The producer loads its
+      // own when it gets there: it runs ahead of the consumers.
+      int position = Scheduler::first(p);
+      RequestEntries entries{};
+      if (position < Scheduler::tiles(p)) entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+      while (position < Scheduler::tiles(p)) {
+        consumer.timeline.begin_decode();  // (experiment builds only: phase_timeline_sm90.cuh)
+        const WorkTile w = make_work_tile<Config::kBlockM, Config::kBlockN, KV, Scheduler>(p, position, entries);
+        position = Scheduler::next(p, position);
+        if (kPrefetchEntries && position < Scheduler::tiles(p))
+          entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+        if (w.has_rows()) consumer.compute(w);
+        if (!kPrefetchEntries && position < Scheduler::tiles(p))
+          entries = load_request_entries<KV::kPaged>(p, request_at<Scheduler, Config::kBlockM, Config::kBlockN>(p, position));
+      }
     }
     consumer.finish_turns();
     consumer.finish_stores();
