@@ -29,9 +29,9 @@ pack build-gpu/bench/tessera_plan_bench tessera_plan_bench
 
 # The A/B of step 16: the work-tile hand-over off (nho), against this tree's default (on for the
 # ragged 128 x 128 kernels since 2026-12-07). (The gathered source's line copies and 40 producer
-# registers became the defaults the same day: rl / rg / rlrg built them as switches; ru, O's
-# rescale under S, and p56, hd64's gathered producer at 56 registers, measured even and 0.81x:
-# build them the same way to time them again.)
+# registers became the defaults the same day: rl / rg / rlrg built them as switches. O's rescale
+# under S and hd64's gathered producer at 56 registers measured even and 0.81x; their switches are
+# in f0bc230.)
 scripts/build_prefill_variants.sh "$bin" 'nho=-DTESSERA_SM90_TILE_HANDOVER=0'
 
 VARIANT_CMAKE_ARGS=-DTESSERA_PLAN_PHASES=ON scripts/build_prefill_variants.sh "$bin" 'pp='

@@ -28,13 +28,12 @@
 #   15 the causal hd128 cases from 2K with 128-key tiles against the dispatcher's 192-key ones
 #      (kv_tile=128, prefill_ablation.py variant kv128; two rounds): the causal gap to FlashInfer
 #      (0.91-0.95 on 2026-12-07), whose causal kernel runs 128-key tiles
-#   16 A/B of the consumer's switch builds in BINDIR (bench_nho: the work-tile hand-over off;
-#      bench_ru: O's rescale under S) on the ragged hd128 MHA cases, 1K-16K causal and not, and GQA 8
-#      4K causal (two rounds)
+#   16 A/B of the consumer's switch builds in BINDIR (bench_nho: the work-tile hand-over off) on the
+#      ragged hd128 MHA cases, 1K-16K causal and not, and GQA 8 4K causal (two rounds)
 #   18 compute-sanitizer memcheck and racecheck (scripts/run_sanitizers.sh) over the Hopper prefill
 #      tests (GpuPrefillHopper*, GpuPrefill.*): the work-tile hand-over's shared-memory protocol
-#   17 A/B of bench_rlrgall / bench_p56 (hd64's gathered producer at 56 registers) at hd64 / hd256
-#      page 1 (two rounds)
+#   17 A/B of a full build's switches (bench_NAME, every head dim) at hd64 / hd256 page 1 (two
+#      rounds; 2026-12-07: bench_rlrgall, the gathered source's line copies and registers)
 #   13 ncu (--set full, source counters, clocks not locked) of one paged hd128 8K launch at page 1
 #      (the gathered source) and page 16 (TMA boxes): the reports, the details pages and the
 #      per-instruction stall samples, in OUTDIR/ncu_paged.tar.xz
@@ -227,11 +226,11 @@ run_step_15() {
 }
 run_step_16() {
   stamp "16 A/B of the consumer's switches (ragged hd128, MHA 1K-16K)"
-  ablation "$(builds_of nho ho ru)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
+  ablation "$(builds_of nho)" "$cases/ragged_mha_hd128.json" ab_consumer 2 300
 }
 run_step_17() {
   stamp "17 A/B of the gathered source's switches at hd64 / hd256 (page 1)"
-  ablation "$(builds_of rlrgall p56)" "$cases/paged_p1_hd64_hd256.json" ab_paged_p1 2 120
+  ablation "$(builds_of rlrgall)" "$cases/paged_p1_hd64_hd256.json" ab_paged_p1 2 120
 }
 run_step_18() {
   stamp "18 compute-sanitizer over the Hopper prefill tests"

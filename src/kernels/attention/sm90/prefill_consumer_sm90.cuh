@@ -30,14 +30,6 @@ namespace tessera::kernels::sm90 {
 #ifndef TESSERA_SM90_BOUNDARY_TURNS
 #define TESSERA_SM90_BOUNDARY_TURNS 1
 #endif
-// Ablation switch (notes/prefill_hopper.md, "O's rescale under S"): 1 applies a KV tile's O
-// rescale after the next tile's S = Q K^T is issued and before its P V, as FA3's mainloop does, so
-// the FMULs run while the tensor cores compute S instead of between the consumer's softmax and its
-// next turn. Not with the conditional rescale (Config::kLazyRescale: a branch between two wgmma
-// issues). As #if: the default kernels are the same machine code as without it.
-#ifndef TESSERA_SM90_RESCALE_UNDER_S
-#define TESSERA_SM90_RESCALE_UNDER_S 0
-#endif
 // Timing experiment only (0): the consumers skip the proxy fence after a gathered K / V stage
 // lands (PrefillConsumer::after_generic_fill); without it the PTX memory model does not order the
 // copies before the wgmma reads.
@@ -328,10 +320,6 @@ struct PrefillConsumer {
       RingPosition<Config::kStages> prev = ring;
       bool prev_partial = (tile + 1) * kBlockN > w.kv_len;
       ring.advance();
-#if TESSERA_SM90_RESCALE_UNDER_S
-      // O's factors of the last softmax, applied before the next P V (O is 0 before the first).
-      float rescale[2] = {1.f, 1.f};
-#endif
       // The rest: S of this tile overlapped with P V of the previous one.
       for (int i = 1; i < tiles; ++i) {
         --tile;
@@ -344,13 +332,6 @@ struct PrefillConsumer {
         timeline.wait_end(kWaitInputs);
         wgmma_fence();
         issue_scores(s, ring.stage);
-#if TESSERA_SM90_RESCALE_UNDER_S
-        if constexpr (!Config::kLazyRescale) {
-          mul_row(o, rescale);
-          fence_registers(o);
-          wgmma_fence();
-        }
-#endif
         wait_values(prev, prev_partial);
         issue_values(pf, o, prev.stage);
         pass_turn();
@@ -361,9 +342,7 @@ struct PrefillConsumer {
         release(bar.k_empty[ring.stage]);
         if (i == tiles - 1) release_q_after_scores();
         logits_and_mask(s, w, tile * kBlockN);
-#if !TESSERA_SM90_RESCALE_UNDER_S
         float rescale[2];
-#endif
         const bool rescale_o = softmax.template update<Config::kLazyRescale>(s, rescale);
         timeline.wait_begin();
         wgmma_wait<0>();
@@ -372,20 +351,13 @@ struct PrefillConsumer {
         fence_registers(pf);
         release(bar.v_empty[prev.stage]);
         if (i == tiles - Config::kStages + 1) o_stage_read();
-#if TESSERA_SM90_RESCALE_UNDER_S
-        if (Config::kLazyRescale && rescale_o) mul_row(o, rescale);
-#else
         if (rescale_o) mul_row(o, rescale);
-#endif
         convert(s, pf);
         prev = ring;
         prev_partial = false;
         ring.advance();
       }
       timeline.stamp(kLoopEnd);
-#if TESSERA_SM90_RESCALE_UNDER_S
-      if constexpr (!Config::kLazyRescale) mul_row(o, rescale);
-#endif
       wait_values(prev, prev_partial);
       fence_registers(o);
       fence_registers(pf);

@@ -44,24 +44,17 @@ constexpr bool kPrefetchEntries = TESSERA_SM90_PREFETCH_ENTRIES != 0;
 #define TESSERA_SM90_GATHER_PRODUCER_REGISTERS 1
 #endif
 // setmaxnreg's split of the CTA's registers between the producer and the consumer warpgroups.
-// TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C: the same for three consumer warpgroups (hd64), whose
-// consumers get (512 - it) / 3 registers (an ablation switch; 32, the default, is the TMA split).
-#ifndef TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C
-#define TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C 32
-#endif
+// (hd64's three consumers leave no room: its gathered producer at 56 registers, the consumers at
+// 152, measured 0.81x, notes/prefill_hopper.md.)
 template <typename Config, typename KV>
 struct RegisterSplit {
   // (With the tile hand-over the producer holds a whole WorkTile to publish: at 24 registers its
   // copy loop spills, so it takes 40 there too.)
   static constexpr bool kWideProducer =
-      (TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 &&
-       (Config::kConsumers == 2 || Config::kConsumers == 3)) ||
+      (TESSERA_SM90_GATHER_PRODUCER_REGISTERS != 0 && KV::kProducerWarps > 1 && Config::kConsumers == 2) ||
       kTileHandover<Config, KV>;
-  static constexpr int kProducer =
-      !kWideProducer ? Config::kProducerRegisters : Config::kConsumers == 2 ? 40 : TESSERA_SM90_GATHER_PRODUCER_REGISTERS_3C;
-  static constexpr int kConsumer = !kWideProducer        ? Config::kConsumerRegisters
-                                   : Config::kConsumers == 2 ? 232
-                                                             : (512 - kProducer) / 3 / 8 * 8;
+  static constexpr int kProducer = kWideProducer ? 40 : Config::kProducerRegisters;
+  static constexpr int kConsumer = kWideProducer ? 232 : Config::kConsumerRegisters;
   static_assert(kProducer * 128 + kConsumer * 128 * Config::kConsumers <= Config::kLaunchRegisters * Config::kThreads,
                 "setmaxnreg budgets beyond the registers the CTA holds from its launch");
 };

@@ -116,19 +116,6 @@ __device__ __forceinline__ void decode_position(const PrefillSm90Params& p, int 
   if (p.heavy_first && p.order != TileOrder::kMirroredPairs) m_tile = tiles - 1 - m_tile;
 }
 
-// The request of the tile at `cursor` (kBlockM, kBlockN: the kernel's tile, for kFastDecode).
-template <typename Scheduler, int kBlockM, int kBlockN>
-__device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor) {
-  constexpr bool kFast = kFastDecode<kBlockM, kBlockN>;
-  const int position = Scheduler::list_position(p, cursor);
-  int request, head, m_tile;
-  int tile = position;
-  if (Scheduler::kv_splits(p) > 1)
-    tile = kFast ? Scheduler::divide_by_splits(p, position) : position / Scheduler::kv_splits(p);
-  decode_position<Scheduler, kFast>(p, tile, request, head, m_tile);
-  return request;
-}
-
 // Where the tile at a cursor lies in the list: the divisions of its list position (and the GQA
 // group's, for its KV head), the part of a tile's decode that costs.
 struct TilePosition {
@@ -147,6 +134,12 @@ __device__ __forceinline__ TilePosition locate_tile(const PrefillSm90Params& p, 
   const int head = t.list_head << p.base.gqa_pack;
   t.kv_head = kFast ? p.group_divisor.div(head) : head / (p.base.num_qo_heads / p.base.num_kv_heads);
   return t;
+}
+
+// The request of the tile at `cursor` (kBlockM, kBlockN: the kernel's tile, for kFastDecode).
+template <typename Scheduler, int kBlockM, int kBlockN>
+__device__ __forceinline__ int request_at(const PrefillSm90Params& p, int cursor) {
+  return locate_tile<kBlockM, kBlockN, Scheduler>(p, cursor).request;
 }
 
 // The tile at position `t`; `entries` are its request's (load_request_entries).
